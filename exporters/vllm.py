@@ -1,0 +1,97 @@
+"""Write a vLLM serving package: checkpoint + tokenizer + manifest + report + launcher + Dockerfile.
+
+Everything is written into a temporary sibling directory and renamed into place at the
+end, so a failure never leaves a half-written package behind.
+
+The package is a plain Hugging Face directory (vLLM serves it as `--model PACKAGE`); the
+other files are ignored by engines:
+  manifest.json  what `serve` and `bench` read (and nothing else): source, target, method,
+                 retention, measured quality, engine requirement and recommended arguments
+  report.md      the same for a person, with the planner's reasoning
+  launch.sh      starts vLLM's OpenAI-compatible server from this directory
+  Dockerfile     the same on an official vLLM image (template in docker/)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DOCKER_DIR = Path(__file__).resolve().parents[1] / "docker"
+from serve.launch import MANIFEST, SCHEMA, server_command
+
+
+def recommended_args(target_kind: str, max_model_len: int) -> list[str]:
+    # Nothing GPU-specific: vLLM's CPU backend reads --gpu-memory-utilization as a fraction
+    # of host memory and refuses to start when it is not free, so the engine default stays.
+    return ["--dtype", "bfloat16", "--max-model-len", str(max_model_len)]
+
+
+def recommended_env(target_kind: str) -> dict[str, str]:
+    # vLLM's CPU backend sizes its KV cache from this variable (GiB); a 135M model needs little.
+    return {"VLLM_CPU_KVCACHE_SPACE": "2"} if target_kind == "cpu" else {}
+
+
+def prepare_output(out: Path) -> Path:
+    """Fail early (before any compute) when `out` cannot be created; return a temp dir beside it."""
+    out = out.expanduser().resolve()
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; choose another -o or remove it")
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.tmp-"))
+    except OSError as e:
+        raise PermissionError(f"cannot write to {parent}: {e.strerror}") from None
+    tmp.chmod(0o755)
+    return tmp
+
+
+def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report_md: str,
+                  dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Fill `tmp` and rename it to `out`. The caller removes `tmp` if this raises."""
+    model = model.to(dtype)
+    model.config.dtype = dtype
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (tmp / "report.md").write_text(report_md)
+    engine = manifest["engine"]
+    _write_launcher(tmp, engine)
+    _write_dockerfile(tmp, manifest["target"]["kind"], engine)
+    for f in tmp.iterdir():
+        f.chmod(0o755 if f.name == "launch.sh" else 0o644)
+    os.replace(tmp, out.expanduser().resolve())
+    return out
+
+
+def _write_launcher(tmp: Path, engine: dict) -> None:
+    env = "".join(f'export {k}="${{{k}:-{v}}}"\n' for k, v in engine.get("env", {}).items())
+    cmd = " ".join(server_command('"$HERE"', engine["served_model_name"], engine["args"],
+                                  python='"${PYTHON:-python3}"'))
+    text = ("#!/usr/bin/env sh\n"
+            "# Serve this package with vLLM's OpenAI-compatible server. Extra arguments go to vLLM,\n"
+            "# e.g. ./launch.sh --port 8000 --tensor-parallel-size 2\n"
+            "set -e\n"
+            'HERE="$(cd "$(dirname "$0")" && pwd)"\n'
+            f"{env}exec {cmd} \"$@\"\n")
+    path = tmp / "launch.sh"
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+def _write_dockerfile(tmp: Path, target_kind: str, engine: dict) -> None:
+    template = DOCKER_DIR / ("vllm-cpu.Dockerfile" if target_kind == "cpu" else "vllm-gpu.Dockerfile")
+    entry = server_command("/package", engine["served_model_name"], engine["args"], python="python3")
+    env = "".join(f"ENV {k}={v}\n" for k, v in engine.get("env", {}).items())
+    text = template.read_text().replace("{{ENTRYPOINT}}", json.dumps(entry)).replace("{{ENV}}", env)
+    (tmp / "Dockerfile").write_text(text)
+
+
+def remove_partial(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,31 @@
+"""Model-family adapters: the only code that knows module names like q_proj or mlp.
+
+A new family is one new module here plus one line in _ADAPTERS.
+"""
+
+from __future__ import annotations
+
+from optimizer.adapters.base import BlockShape, DecoderAdapter
+from optimizer.adapters.llama import LlamaAdapter
+from optimizer.adapters.mistral import MistralAdapter
+from optimizer.adapters.qwen2 import Qwen2Adapter
+from optimizer.adapters.qwen3 import Qwen3Adapter
+from optimizer.errors import UserError
+
+_ADAPTERS: dict[str, DecoderAdapter] = {
+    t: a() for a in (LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter) for t in a.model_types
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_ADAPTERS)
+
+
+def get_adapter(config) -> DecoderAdapter:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _ADAPTERS:
+        raise UserError(f"unsupported architecture '{model_type}'; supported: {', '.join(supported_model_types())}")
+    return _ADAPTERS[model_type]
+
+
+__all__ = ["BlockShape", "DecoderAdapter", "get_adapter", "supported_model_types"]

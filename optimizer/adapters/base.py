@@ -1,0 +1,96 @@
+"""What every model-family adapter says: where the prunable units of a block live.
+
+All four supported families are LLaMA-style decoders (q/k/v/o attention with grouped KV
+heads, gated MLP gate/up/down), so one base class carries the slicing rules and each family
+file only states what differs (biases, per-head norms, how its engine reads head_dim).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """The size of one decoder block: query heads, KV heads, MLP channels."""
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+
+    def __post_init__(self):
+        if min(self.num_heads, self.num_kv_heads, self.intermediate_size) < 1:
+            raise ValueError(f"a block keeps at least one unit of each kind: {self}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"query heads must split evenly over KV heads: {self}")
+
+
+class DecoderAdapter:
+    """A LLaMA-style decoder. Subclasses set the class attributes for their family."""
+
+    model_types: tuple[str, ...] = ()
+    family: str = ""
+    qkv_bias: bool = False        # q/k/v projections carry a bias (Qwen2)
+    o_bias_key: str | None = None # config flag that would give o_proj a bias
+    # vLLM's implementation of some families derives head_dim as hidden // heads and
+    # ignores config.head_dim; their models cannot lose query heads under their own
+    # architecture name, see export_architecture().
+    engine_reads_head_dim: bool = True
+    # transformers' LlamaConfig rejects hidden_size % num_attention_heads != 0 even when
+    # head_dim is explicit, so such shapes would not load back in transformers.
+    heads_divide_hidden: bool = False
+
+    # --- where things live -------------------------------------------------------------
+    def blocks(self, model) -> nn.ModuleList:
+        return model.model.layers
+
+    def attention(self, block) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
+        a = block.self_attn
+        return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+
+    def mlp(self, block) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        m = block.mlp
+        return m.gate_proj, m.up_proj, m.down_proj
+
+    # --- shapes ------------------------------------------------------------------------
+    def head_dim(self, config) -> int:
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def dense_shape(self, config) -> BlockShape:
+        return BlockShape(config.num_attention_heads,
+                          getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                          config.intermediate_size)
+
+    def block_params(self, config, shape: BlockShape) -> int:
+        """Parameters of one block of this shape (weights, biases, norms)."""
+        d, h = self.head_dim(config), config.hidden_size
+        attn = h * d * (2 * shape.num_heads + 2 * shape.num_kv_heads)
+        if self.qkv_bias:
+            attn += d * (shape.num_heads + 2 * shape.num_kv_heads)
+        mlp = 3 * h * shape.intermediate_size
+        if getattr(config, "mlp_bias", False):
+            mlp += 2 * shape.intermediate_size + h
+        return attn + mlp + self.fixed_block_params(config)
+
+    def fixed_block_params(self, config) -> int:
+        """Parameters pruning never touches: the two RMSNorms (plus per-head norms)."""
+        return 2 * config.hidden_size
+
+    def pruned_config(self, config, shape: BlockShape):
+        """A copy of the config describing blocks of `shape` (same shape every layer)."""
+        new = copy.deepcopy(config)
+        new.head_dim = self.head_dim(config)  # keep it explicit: hidden // heads changes
+        new.num_attention_heads = shape.num_heads
+        new.num_key_value_heads = shape.num_kv_heads
+        new.intermediate_size = shape.intermediate_size
+        return new
+
+    def loadable(self, config, shape: BlockShape) -> bool:
+        """Can a checkpoint of this shape be saved under a config transformers and vLLM accept?"""
+        return not self.heads_divide_hidden or config.hidden_size % shape.num_heads == 0
+
+    def export_architecture(self, config, shape: BlockShape) -> str | None:
+        """Name of another architecture to save as, when the family's own cannot hold `shape`."""
+        return None

@@ -1,0 +1,10 @@
+"""LLaMA family (LLaMA 2/3, SmolLM, TinyLlama...): model_type 'llama'. The base layout as is."""
+
+from optimizer.adapters.base import DecoderAdapter
+
+
+class LlamaAdapter(DecoderAdapter):
+    model_types = ("llama",)
+    family = "llama"
+    o_bias_key = "attention_bias"
+    heads_divide_hidden = True

@@ -1,0 +1,74 @@
+"""Click commands: optimize, profiles, detect. Bad input → one line on stderr, exit 2."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from optimizer.errors import UserError
+
+
+def one_line_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted; no output was written", err=True)
+            sys.exit(130)
+    return wrapper
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model", required=False)
+@click.option("--target", "-t", default="auto", show_default=True,
+              help="Deployment target from `profiles` (a100, h100, l4, cpu, ...) or 'auto' to detect.")
+@click.option("--method", default="auto", show_default=True, help="auto | structured")
+@click.option("--retain", default=0.7, show_default=True, type=float,
+              help="Fraction of the transformer blocks' parameters kept, in (0, 1].")
+@click.option("--calib", type=click.Path(), help="Calibration text file (default: built-in corpus).")
+@click.option("--eval", "eval_", type=click.Path(), help="Text file for perplexity (default: held-out built-in text).")
+@click.option("-o", "--out", type=click.Path(), help="Package directory to create (must not exist).")
+@click.option("--dry-run", is_flag=True, help="Print the plan and the predicted speedup, then stop.")
+@click.option("--engine-version", help="vLLM version the package will be served with (default: installed, else 0.32.0).")
+@click.option("--calib-windows", default=16, show_default=True, help="Calibration windows of --seq-len tokens.")
+@click.option("--eval-windows", default="16", show_default=True, help="Evaluation windows, or 'all'.")
+@click.option("--seq-len", default=2048, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--threads", type=int, help="torch CPU threads (default: torch's choice).")
+@one_line_errors
+def optimize(model, target, method, retain, calib, eval_, out, dry_run, engine_version, calib_windows,
+             eval_windows, seq_len, seed, threads):
+    """Prune MODEL for a target GPU and write a vLLM-ready package.
+
+    MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
+    SmolLM2-135M-Instruct is used.
+    """
+    from optimizer.pipeline import OptimizeConfig, optimize as run
+    if eval_windows != "all" and not eval_windows.isdigit():
+        raise UserError(f"--eval-windows must be a number or 'all', got {eval_windows!r}")
+    run(OptimizeConfig(model=model, target=target, method=method, retain=retain, calib=calib, eval=eval_,
+                       out=out, dry_run=dry_run, engine_version=engine_version, calib_windows=calib_windows,
+                       eval_windows=None if eval_windows == "all" else int(eval_windows), seq_len=seq_len,
+                       seed=seed, threads=threads))
+
+
+@click.command()
+@one_line_errors
+def profiles():
+    """List the deployment targets and what each offers."""
+    from optimizer.profiles import format_profiles_table, list_profiles
+    click.echo(format_profiles_table(list_profiles()))
+
+
+@click.command()
+@one_line_errors
+def detect():
+    """Show the GPUs NVML sees and the profile --target auto would use."""
+    from optimizer.profiles import format_detection
+    click.echo(format_detection())

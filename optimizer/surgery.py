@@ -1,0 +1,170 @@
+"""The only code that edits weights and configs.
+
+A method decides *what* to keep (a `Masks`); this module either simulates the removal
+(`masked`: hooks zero the removed heads' and channels' outputs, weights untouched) or does it
+(`prune`: slices the Linear layers, writes the smaller config, builds a fresh model and loads
+the sliced weights strictly, so the config provably describes the tensors). The two must
+give the same logits; the tests check that for every family.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from optimizer.adapters import BlockShape, DecoderAdapter
+
+
+@dataclass
+class BlockMask:
+    """Indices a block keeps, ascending. Query head h belongs to KV group h // (H / KV)."""
+    heads: list[int]
+    kv_heads: list[int]
+    channels: list[int]
+
+    def shape(self) -> BlockShape:
+        return BlockShape(len(self.heads), len(self.kv_heads), len(self.channels))
+
+
+@dataclass
+class Masks:
+    blocks: list[BlockMask]
+
+    def uniform_shape(self) -> BlockShape | None:
+        shapes = {b.shape() for b in self.blocks}
+        return shapes.pop() if len(shapes) == 1 else None
+
+    def summary(self) -> list[dict]:
+        return [{"heads": b.heads, "kv_heads": b.kv_heads, "channels_kept": len(b.channels)}
+                for b in self.blocks]
+
+
+def check_masks(adapter: DecoderAdapter, config, masks: Masks) -> None:
+    """Kept query heads must sit in kept KV groups, the same number in each group."""
+    dense = adapter.dense_shape(config)
+    group = dense.num_heads // dense.num_kv_heads
+    if len(masks.blocks) != config.num_hidden_layers:
+        raise ValueError(f"{len(masks.blocks)} block masks for {config.num_hidden_layers} layers")
+    for i, b in enumerate(masks.blocks):
+        if sorted(set(b.heads)) != b.heads or sorted(set(b.kv_heads)) != b.kv_heads \
+                or sorted(set(b.channels)) != b.channels:
+            raise ValueError(f"block {i}: kept indices must be ascending and unique")
+        per_group = {kv: sum(1 for h in b.heads if h // group == kv) for kv in b.kv_heads}
+        if any(h // group not in per_group for h in b.heads):
+            raise ValueError(f"block {i}: a kept query head belongs to a removed KV group")
+        if len(set(per_group.values())) != 1 or 0 in per_group.values():
+            raise ValueError(f"block {i}: kept KV groups must keep equally many query heads, got {per_group}")
+        if b.channels and not (0 <= b.channels[0] and b.channels[-1] < dense.intermediate_size):
+            raise ValueError(f"block {i}: channel index out of range")
+
+
+def _unit_mask(n: int, keep: list[int], repeat: int, like: torch.Tensor) -> torch.Tensor:
+    m = torch.zeros(n, dtype=like.dtype, device=like.device)
+    m[keep] = 1
+    return m.repeat_interleave(repeat)
+
+
+@contextlib.contextmanager
+def masked(model, adapter: DecoderAdapter, masks: Masks):
+    """Within the block, removed heads and channels contribute nothing; weights untouched."""
+    config = model.config
+    dense = adapter.dense_shape(config)
+    d = adapter.head_dim(config)
+    handles = []
+
+    def scale_input(vec):
+        return lambda _mod, args: (args[0] * vec.to(args[0].dtype),) + tuple(args[1:])
+
+    try:
+        for block, bm in zip(adapter.blocks(model), masks.blocks):
+            o_proj, down = adapter.attention(block)[3], adapter.mlp(block)[2]
+            head_vec = _unit_mask(dense.num_heads, bm.heads, d, o_proj.weight)
+            chan_vec = _unit_mask(dense.intermediate_size, bm.channels, 1, down.weight)
+            handles.append(o_proj.register_forward_pre_hook(scale_input(head_vec)))
+            handles.append(down.register_forward_pre_hook(scale_input(chan_vec)))
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _rows(units: list[int], size: int) -> torch.Tensor:
+    return (torch.tensor(units)[:, None] * size + torch.arange(size)).flatten()
+
+
+def prune(model, adapter: DecoderAdapter, masks: Masks):
+    """A new, physically smaller model holding only what `masks` keeps."""
+    config = model.config
+    check_masks(adapter, config, masks)
+    shape = masks.uniform_shape()
+    if shape is None:
+        raise ValueError("per-layer shapes need a per-layer export layout; masks are not uniform")
+    if not adapter.loadable(config, shape):
+        raise ValueError(f"{shape} cannot be saved as a {adapter.family} checkpoint that loads back")
+    d = adapter.head_dim(config)
+    sd = model.state_dict()
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+
+    def name(lin, attr="weight"):
+        return names[id(getattr(lin, attr))]
+
+    for block, bm in zip(adapter.blocks(model), masks.blocks):
+        q, k, v, o = adapter.attention(block)
+        gate, up, down = adapter.mlp(block)
+        q_rows, kv_rows = _rows(bm.heads, d), _rows(bm.kv_heads, d)
+        chans = torch.tensor(bm.channels)
+        for lin, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows), (gate, chans), (up, chans)):
+            sd[name(lin)] = lin.weight.data[rows].clone()
+            if lin.bias is not None:
+                sd[name(lin, "bias")] = lin.bias.data[rows].clone()
+        sd[name(o)] = o.weight.data[:, q_rows].clone()
+        sd[name(down)] = down.weight.data[:, chans].clone()
+
+    new_config = adapter.pruned_config(config, shape)
+    if adapter.export_architecture(config, shape) == "LlamaForCausalLM":
+        new_config = _as_llama_with_bias(new_config)
+        for block in adapter.blocks(model):
+            o = adapter.attention(block)[3]
+            sd[name(o).removesuffix("weight") + "bias"] = torch.zeros(o.out_features, dtype=o.weight.dtype)
+    return _build(new_config, sd, model.dtype)
+
+
+def _as_llama_with_bias(config) -> LlamaConfig:
+    # LLaMA with attention_bias has q/k/v *and* o_proj biases; o_proj's is zero.
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+            "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "rope_parameters",
+            "rope_theta", "rope_scaling", "initializer_range")
+    d = {k: getattr(config, k) for k in keep if hasattr(config, k)}
+    return LlamaConfig(**d, attention_bias=True, mlp_bias=False, architectures=["LlamaForCausalLM"])
+
+
+def _build(config, state_dict: dict, dtype: torch.dtype):
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")] \
+        if not getattr(config, "architectures", None) else config.architectures
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(prev)
+    tied = getattr(config, "tie_word_embeddings", False)
+    if tied:
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"pruned weights do not match the pruned config: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+    if tied:
+        model.tie_weights()
+    return model.eval()
+
+
+def block_params(adapter: DecoderAdapter, config, masks_or_shape) -> int:
+    if isinstance(masks_or_shape, Masks):
+        return sum(adapter.block_params(config, b.shape()) for b in masks_or_shape.blocks)
+    return config.num_hidden_layers * adapter.block_params(config, masks_or_shape)

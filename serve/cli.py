@@ -1,0 +1,135 @@
+"""Click commands: serve PACKAGE, bench PACKAGE --baseline MODEL."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from optimizer.cli import one_line_errors
+from optimizer.errors import UserError
+from serve import launch, loadgen, report
+
+
+def _manifest(package: str) -> dict:
+    try:
+        return launch.read_manifest(package)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "ignore_unknown_options": True})
+@click.argument("package", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--tensor-parallel-size", "-tp", type=int, help="Shard over this many GPUs (vLLM tensor parallelism).")
+@click.option("--print-command", is_flag=True, help="Print the server command instead of running it.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+@one_line_errors
+def serve(package, host, port, tensor_parallel_size, print_command, vllm_args):
+    """Start vLLM's OpenAI-compatible server for PACKAGE with its recommended arguments.
+
+    Arguments after the options go to vLLM unchanged (e.g. `serve PKG --enforce-eager`).
+    """
+    manifest = _manifest(package)
+    extra = list(vllm_args)
+    if tensor_parallel_size:
+        extra += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    cmd = launch.package_command(package, manifest, host, port, extra)
+    if print_command:
+        click.echo(shlex.join(cmd))
+        return
+    click.echo(f"serving {manifest['engine']['served_model_name']} on http://{host}:{port}/v1 "
+               f"({shlex.join(cmd[1:4])} ...)", err=True)
+    env = launch.server_env(manifest)
+    os.execvpe(cmd[0], cmd, env)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("package", type=click.Path())
+@click.option("--baseline", help="Dense model to compare with: HF dir, GGUF, hub id, or 'embedded' "
+                                 "(default: the package's source model).")
+@click.option("--concurrency", default="1,4,16", show_default=True, help="Comma-separated load levels.")
+@click.option("--requests", "requests_per_level", type=int, help="Requests per level (default: max(8, 2 x concurrency)).")
+@click.option("--prompt-tokens", default=128, show_default=True)
+@click.option("--output-tokens", default=64, show_default=True)
+@click.option("--rounds", default=2, show_default=True, help="Alternating dense/pruned rounds; best-of-N is reported.")
+@click.option("--port", default=8123, show_default=True)
+@click.option("--out", type=click.Path(), help="Directory for bench.json / bench.md / bench.png "
+                                              "(default: bench-results/<package name>).")
+@click.option("--vllm-args", default="", help="Extra vLLM arguments for both servers, e.g. '--enforce-eager'.")
+@one_line_errors
+def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, output_tokens, rounds, port, out,
+          vllm_args):
+    """Measure PACKAGE and its dense baseline side by side under the same load."""
+    manifest = _manifest(package)
+    try:
+        levels = sorted({int(c) for c in concurrency.split(",")})
+    except ValueError:
+        raise UserError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
+    if not levels or min(levels) < 1 or rounds < 1:
+        raise UserError("--concurrency levels and --rounds must be >= 1")
+    base_dir = _baseline_dir(baseline, manifest)
+    name = manifest["engine"]["served_model_name"]
+    out_dir = Path(out or Path("bench-results") / name)
+    extra = shlex.split(vllm_args)
+    vocab = json.loads((Path(package) / "config.json").read_text())["vocab_size"]
+    host = "127.0.0.1"
+    base_url = f"http://{host}:{port}"
+    servers = {
+        "dense": (launch.server_command(str(base_dir), "dense", manifest["engine"]["args"]), "dense"),
+        "pruned": (launch.server_command(str(Path(package).resolve()), name, manifest["engine"]["args"]), name),
+    }
+    runs = {"dense": {str(c): [] for c in levels}, "pruned": {str(c): [] for c in levels}}
+    env = launch.server_env(manifest)
+    for r in range(rounds):
+        order = ["dense", "pruned"] if r % 2 == 0 else ["pruned", "dense"]  # cancel slow drift
+        for label in order:
+            cmd, served = servers[label]
+            cmd = cmd + ["--host", host, "--port", str(port), *extra]
+            click.echo(f"round {r + 1}/{rounds}: starting {label} server", err=True)
+            with launch.running(cmd, env, base_url, out_dir / f"server-{label}-{r + 1}.log"):
+                # Warm-up: first requests pay for graph capture / allocator growth.
+                loadgen.run_load(base_url, served, loadgen.LoadSpec(max(levels), max(levels), prompt_tokens,
+                                                                     output_tokens), vocab, seed=10_000 + r)
+                for c in levels:
+                    n = requests_per_level or max(8, 2 * c)
+                    res = loadgen.run_load(base_url, served, loadgen.LoadSpec(c, n, prompt_tokens, output_tokens),
+                                           vocab, seed=r)
+                    runs[label][str(c)].append(res)
+                    click.echo(f"  {label} c={c}: {res['output_tokens_per_s']:.1f} tok/s, "
+                               f"failed {res['failed']}", err=True)
+    results = {
+        "meta": {"package": str(Path(package).resolve()), "baseline": str(base_dir),
+                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                 "host": platform.node(), "cpus": os.cpu_count(), "engine": _engine_version(),
+                 "engine_args": manifest["engine"]["args"] + extra, "rounds": rounds,
+                 "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+                 "command": " ".join(sys.argv)},
+        "runs": runs,
+        "ideal_ratio": manifest["size"]["ideal_ratio"],
+    }
+    summary = report.write_report(results, out_dir)
+    click.echo(report.markdown_table(summary))
+    click.echo(f"written: {out_dir}/bench.json, bench.md, bench.png", err=True)
+
+
+def _baseline_dir(baseline: str | None, manifest: dict) -> Path:
+    from optimizer import load
+    if baseline is None:
+        path = Path(manifest["source"]["hf_dir"])
+        if (path / "config.json").is_file():
+            return path
+        raise UserError(f"the package's source {path} is not on this machine; pass --baseline MODEL")
+    return load.resolve(None if baseline in ("embedded", "default") else baseline).hf_dir
+
+
+def _engine_version() -> str:
+    from optimizer.plan import installed_vllm_version
+    return f"vllm {installed_vllm_version() or 'unknown'}"

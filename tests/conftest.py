@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny random models of each family, the real model converted once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# One thread: on two shared cores torch's spinning OpenMP threads run several times slower.
+torch.set_num_threads(1)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TINY = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=96,
+            num_hidden_layers=2, max_position_embeddings=256, tie_word_embeddings=True)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_config(family: str, vocab_size: int = 512):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    cfg = cls(vocab_size=vocab_size, **TINY)
+    cfg.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
+    return cfg
+
+
+def tiny_model(family: str, seed: int = 0, vocab_size: int = 512):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, vocab_size)).eval()
+    with torch.no_grad():  # random norms and biases so that nothing is trivially 1 or 0
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The embedded SmolLM2-135M as an HF directory (converted once, then cached)."""
+    from optimizer.load import resolve
+    return resolve(None).hf_dir
+
+
+@pytest.fixture(scope="session")
+def tokenizer(real_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(real_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    """Each family as a saved HF directory with the real tokenizer (so the CLI runs on it)."""
+    dirs = {}
+    for family in FAMILIES:
+        d = tmp_path_factory.mktemp(f"tiny-{family}")
+        tiny_model(family, vocab_size=len(tokenizer)).save_pretrained(d)
+        tokenizer.save_pretrained(d)
+        dirs[family] = d
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    """Calibration/eval text that ships with no data set: English prose generated from a seed."""
+    import random
+    rng = random.Random(0)
+    words = ("the model of a system is the way in which parts of the world are described and used "
+             "to predict what happens next when people build and test machines in 1984 or 2024").split()
+    text = "\n".join(" ".join(rng.choice(words) for _ in range(40)).capitalize() + "." for _ in range(400))
+    p = tmp_path_factory.mktemp("text") / "text.txt"
+    p.write_text(text)
+    return p

@@ -1,0 +1,296 @@
+"""Tests for serve.loadgen and serve.report against a tiny fake OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from serve import loadgen
+from serve.loadgen import LoadSpec, complete, make_prompts, run_load, wait_for_server
+
+TOKEN_SLEEP = 0.004  # seconds per generated token
+PREFILL_SLEEP = 0.010  # seconds before the first token
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive + chunked streaming
+    disable_nagle_algorithm = True  # send each SSE chunk at once (as uvicorn does)
+
+    def log_message(self, *args):  # keep pytest output quiet
+        pass
+
+    def setup(self):
+        super().setup()
+        with self.server.lock:
+            self.server.connections += 1
+
+    def _json(self, status: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        else:
+            self._json(404, {"error": "not found"})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        srv = self.server
+        with srv.lock:
+            srv.bodies.append(body)
+        if self.path != "/v1/completions":
+            return self._json(404, {"error": "not found"})
+        if srv.mode == "error":
+            return self._json(500, {"error": {"message": "boom", "code": 500}})
+        n = int(body["max_tokens"])
+        if not body.get("stream"):
+            text = " Paris" if "capital of France" in str(body["prompt"]) else " tok" * n
+            return self._json(200, {"choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                                    "usage": {"completion_tokens": n}})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        time.sleep(PREFILL_SLEEP)
+        for i in range(n):
+            if i:
+                time.sleep(TOKEN_SLEEP)
+            chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}], "usage": None}
+            self._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                          "completion_tokens": n, "total_tokens": n + len(body["prompt"])}}
+        self._chunk(f"data: {json.dumps(usage)}\n\n".encode())
+        self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")  # terminating zero-length chunk
+
+
+@pytest.fixture
+def server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    srv.daemon_threads = True
+    srv.mode = "ok"
+    srv.bodies = []
+    srv.connections = 0
+    srv.lock = threading.Lock()
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    try:
+        yield srv, f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.parametrize("concurrency,num_requests", [(1, 3), (4, 8)])
+def test_run_load_streams(server, concurrency, num_requests):
+    srv, url = server
+    out_tokens = 8
+    spec = LoadSpec(concurrency=concurrency, num_requests=num_requests, prompt_tokens=32,
+                    output_tokens=out_tokens)
+    res = run_load(url, "fake", spec, vocab_size=1000, seed=1, timeout_s=30)
+
+    assert res["completed"] == num_requests and res["failed"] == 0 and res["errors"] == []
+    for k in ("concurrency", "num_requests", "prompt_tokens", "output_tokens"):
+        assert res[k] == getattr(spec, k)
+    # request bodies: fixed-length greedy streaming with token-id prompts
+    assert len(srv.bodies) == num_requests
+    for b in srv.bodies:
+        assert b["model"] == "fake"
+        assert b["max_tokens"] == b["min_tokens"] == out_tokens
+        assert b["ignore_eos"] is True and b["temperature"] == 0 and b["stream"] is True
+        assert b["stream_options"] == {"include_usage": True}
+        assert len(b["prompt"]) == 32 and all(100 <= t < 900 for t in b["prompt"])
+    assert len({tuple(b["prompt"]) for b in srv.bodies}) == num_requests
+    assert srv.connections <= concurrency  # one keep-alive connection per worker
+
+    ttft, tpot, e2e = res["ttft_ms"], res["tpot_ms"], res["e2e_ms"]
+    assert PREFILL_SLEEP * 1000 * 0.9 <= ttft["p50"] < e2e["p50"]
+    assert ttft["p99"] < e2e["p99"]
+    assert TOKEN_SLEEP * 1000 * 0.9 <= tpot["p50"] < TOKEN_SLEEP * 1000 * 5
+    min_e2e = (PREFILL_SLEEP + (out_tokens - 1) * TOKEN_SLEEP) * 1000
+    assert e2e["p50"] >= min_e2e * 0.95
+    for stats in (ttft, tpot, e2e):
+        assert set(stats) == {"p50", "p99", "mean"}
+        assert stats["p50"] <= stats["p99"]
+
+    # throughput: all tokens counted, and no faster than `concurrency` streams can go
+    waves = -(-num_requests // concurrency)
+    assert res["wall_s"] >= waves * min_e2e / 1000 * 0.95
+    assert res["output_tokens_per_s"] == pytest.approx(num_requests * out_tokens / res["wall_s"])
+    per_stream_max = out_tokens / (min_e2e / 1000)
+    assert res["output_tokens_per_s"] <= concurrency * per_stream_max * 1.05
+    assert res["output_tokens_per_s"] >= concurrency * per_stream_max * 0.15
+    assert res["requests_per_s"] == pytest.approx(num_requests / res["wall_s"])
+
+
+def test_run_load_http_500_counts_failures(server):
+    srv, url = server
+    srv.mode = "error"
+    res = run_load(url, "fake", LoadSpec(2, 5, prompt_tokens=8, output_tokens=4), vocab_size=500)
+    assert res["completed"] == 0 and res["failed"] == 5
+    assert len(res["errors"]) == 3 and all("500" in e for e in res["errors"])
+    assert res["output_tokens_per_s"] == 0.0
+    assert res["ttft_ms"]["p50"] is None
+
+
+def test_run_load_connection_refused_does_not_crash():
+    url = f"http://127.0.0.1:{_free_port()}"
+    res = run_load(url, "fake", LoadSpec(2, 3, prompt_tokens=8, output_tokens=4), vocab_size=500,
+                   timeout_s=5)
+    assert res["completed"] == 0 and res["failed"] == 3 and res["errors"]
+
+
+def test_complete_non_streaming(server):
+    srv, url = server
+    assert complete(url, "fake", "The capital of France is", max_tokens=4) == " Paris"
+    assert srv.bodies[-1]["temperature"] == 0 and not srv.bodies[-1].get("stream")
+    srv.mode = "error"
+    with pytest.raises(RuntimeError, match="500"):
+        complete(url, "fake", "x")
+
+
+def test_make_prompts_distinct_and_deterministic():
+    a = make_prompts(50, 16, vocab_size=1000, seed=3)
+    assert a == make_prompts(50, 16, vocab_size=1000, seed=3)
+    assert a != make_prompts(50, 16, vocab_size=1000, seed=4)
+    assert len(a) == 50 and all(len(p) == 16 for p in a)
+    assert len({tuple(p) for p in a}) == 50
+    assert all(100 <= t < 900 for p in a for t in p)
+    # even a tiny id space gives distinct prompts
+    b = make_prompts(20, 2, vocab_size=205, seed=0)
+    assert len({tuple(p) for p in b}) == 20
+
+
+def test_percentile_linear_interpolation():
+    assert loadgen.percentile([], 50) is None
+    assert loadgen.percentile([5], 99) == 5
+    assert loadgen.percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    assert loadgen.percentile([10, 0, 20], 99) == pytest.approx(19.8)
+
+
+def test_wait_for_server(server):
+    _, url = server
+    wait_for_server(url, timeout_s=5)  # up: returns
+    dead = f"http://127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="not ready"):
+        wait_for_server(dead, timeout_s=0.6)
+    assert time.monotonic() - t0 < 3
+
+
+def test_wait_for_server_fails_fast_when_process_exited():
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    proc.wait(timeout=10)
+    dead = f"http://127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        wait_for_server(dead, timeout_s=60, proc=proc)
+    assert time.monotonic() - t0 < 2
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+
+def _run(tok_s, ttft, tpot, e2e, conc):
+    return {
+        "concurrency": conc, "num_requests": 4 * conc, "prompt_tokens": 128, "output_tokens": 64,
+        "completed": 4 * conc, "failed": 0, "errors": [], "wall_s": 1.0,
+        "output_tokens_per_s": tok_s, "requests_per_s": tok_s / 64,
+        "ttft_ms": {"p50": ttft, "p99": ttft * 2, "mean": ttft * 1.1},
+        "tpot_ms": {"p50": tpot, "p99": tpot * 1.5, "mean": tpot},
+        "e2e_ms": {"p50": e2e, "p99": e2e * 1.2, "mean": e2e},
+    }
+
+
+def _synthetic_results():
+    return {
+        "meta": {"model": "SmolLM2-135M", "hardware": "test CPU", "rounds": 2},
+        "runs": {
+            "dense": {
+                "1": [_run(100, 20, 10, 650, 1), _run(90, 25, 11, 700, 1)],
+                "16": [_run(800, 80, 18, 1200, 16), _run(1000, 60, 16, 1100, 16)],
+            },
+            "pruned": {
+                "1": [_run(130, 16, 8, 520, 1), _run(120, 15, 9, 560, 1)],
+                "16": [_run(1200, 50, 12, 800, 16), _run(1100, 55, 13, 900, 16)],
+            },
+        },
+        "ideal_ratio": 1.5,
+    }
+
+
+def test_summarize_ratios():
+    from serve.report import summarize
+
+    s = summarize(_synthetic_results())
+    assert s["baseline"] == "dense" and s["labels"] == ["dense", "pruned"]
+    assert s["concurrencies"] == ["1", "16"]
+    d1, p16 = s["best"]["dense"]["1"], s["best"]["pruned"]["16"]
+    assert d1["output_tokens_per_s"] == 100 and d1["ttft_ms"]["p50"] == 20
+    assert d1["tpot_ms"]["p50"] == 10 and d1["e2e_ms"]["p50"] == 650 and d1["rounds"] == 2
+    assert p16["output_tokens_per_s"] == 1200 and p16["ttft_ms"]["p50"] == 50
+    r1, r16 = s["ratios"]["pruned"]["1"], s["ratios"]["pruned"]["16"]
+    assert r1["tokens_per_s"] == pytest.approx(1.3)
+    assert r1["ttft_p50"] == pytest.approx(15 / 20)
+    assert r1["tpot_p50"] == pytest.approx(0.8)
+    assert r1["e2e_p50"] == pytest.approx(520 / 650)
+    assert r1["fraction_of_ideal"] == pytest.approx(1.3 / 1.5)
+    assert r16["tokens_per_s"] == pytest.approx(1.2)
+    assert r16["fraction_of_ideal"] == pytest.approx(0.8)
+    assert s["ratios"]["dense"]["1"]["tokens_per_s"] == pytest.approx(1.0)
+    json.dumps(s)  # serialisable
+
+    no_ideal = summarize({**_synthetic_results(), "ideal_ratio": None})
+    assert no_ideal["ratios"]["pruned"]["1"]["fraction_of_ideal"] is None
+
+
+def test_markdown_plot_and_write_report(tmp_path):
+    from serve.report import markdown_table, plot, summarize, write_report
+
+    results = _synthetic_results()
+    s = summarize(results)
+    md = markdown_table(s)
+    rows = [ln for ln in md.splitlines() if ln.startswith("| ") and ln[2:3].isdigit()]
+    assert len(rows) == 4  # 2 concurrencies x 2 labels
+    assert rows[0].split("|")[1].strip() == "1" and rows[0].split("|")[2].strip() == "dense"
+    pruned16 = [r for r in rows if "pruned" in r and r.split("|")[1].strip() == "16"][0]
+    assert "1200.0" in pruned16 and "1.20×" in pruned16 and "80%" in pruned16
+    assert "1.30×" in md and "87%" in md
+
+    png = tmp_path / "plot.png"
+    plot(s, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    out = tmp_path / "report"
+    summary = write_report(results, out)
+    assert summary["ratios"]["pruned"]["16"]["tokens_per_s"] == pytest.approx(1.2)
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["runs"] == results["runs"] and saved["summary"]["baseline"] == "dense"
+    text = (out / "bench.md").read_text()
+    assert "Best-of-N" in text and "1.20×" in text
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
