@@ -8,6 +8,9 @@ temporary directory that is renamed into place only when complete.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -145,7 +148,7 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
     if eval_text is not None:
         windows = data.token_windows(tok, eval_text.text, cfg.seq_len, cfg.eval_windows)
         quality = {"eval": eval_text.description, "windows": len(windows), "seq_len": cfg.seq_len,
-                   "dense": evaluate.perplexity(model, windows, "perplexity (dense)"),
+                   "dense": _dense_perplexity(model, windows, source),
                    "pruned": evaluate.perplexity(pruned, windows, "perplexity (pruned)")}
         log(f"perplexity: dense {quality['dense']:.3f} → pruned {quality['pruned']:.3f} "
             f"({quality['windows']} windows of {cfg.seq_len})")
@@ -189,6 +192,24 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
     vllm_export.write_package(tmp, out, pruned, tok, manifest, report.render(manifest))
     log(f"package: {out.resolve()}  (serve it: serve {out})")
     return {"plan": plan, "manifest": manifest, "out": out}
+
+
+def _dense_perplexity(model, windows: torch.Tensor, source) -> float:
+    """The source model's perplexity on these exact windows, computed once per machine.
+
+    A full WikiText-2 pass takes minutes on a CPU and the dense model does not change
+    between runs at different retentions, so the figure is cached beside the converted model.
+    """
+    key = hashlib.sha256(str(source.hf_dir).encode() + windows.numpy().tobytes()).hexdigest()[:24]
+    path = load.cache_dir() / "perplexity" / f"{key}.json"
+    if path.is_file():
+        return json.loads(path.read_text())["perplexity"]
+    ppl = evaluate.perplexity(model, windows, "perplexity (dense)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"perplexity": ppl, "model": str(source.hf_dir), "windows": len(windows)}))
+    os.replace(tmp, path)
+    return ppl
 
 
 @torch.inference_mode()

@@ -74,3 +74,13 @@ def text_file(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("text") / "text.txt"
     p.write_text(text)
     return p
+
+
+@pytest.fixture(scope="session")
+def real_package(tmp_path_factory, real_model_dir) -> Path:
+    """One package of the real model (retention 0.5, target a100), shared by the slow tests."""
+    from optimizer.pipeline import OptimizeConfig, optimize
+    out = tmp_path_factory.mktemp("real") / "smollm2-a100-r0.50"
+    optimize(OptimizeConfig(target="a100", retain=0.5, out=str(out), calib_windows=2, eval_windows=1, seq_len=512,
+                            log=lambda *_: None))
+    return out

@@ -1,0 +1,19 @@
+# The two commands a fresh machine needs (README): `make demo` and `make test`.
+VENV  := .venv
+STAMP := $(VENV)/.installed
+DEMO  := out/smollm2-135m-a100
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+.PHONY: setup demo test
+setup: $(STAMP)
+
+# The main job on the embedded SmolLM2-135M for an A100: plan, prune, evaluate, package.
+demo: $(STAMP)
+	rm -rf $(DEMO)
+	$(VENV)/bin/optimize --target a100 --retain 0.7 -o $(DEMO)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q

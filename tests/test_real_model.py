@@ -1,0 +1,54 @@
+"""The embedded SmolLM2-135M: masked == pruned on real weights, and a real package (shared)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from optimizer import budget, data
+from optimizer.adapters import get_adapter
+from optimizer.methods.activation import ActivationImportance
+from optimizer.surgery import masked, prune
+
+pytestmark = pytest.mark.real_model
+
+
+def test_masked_equals_pruned_on_the_real_model(real_model_dir):
+    # float64, so that the comparison is about what was removed, not about summation order
+    model = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(real_model_dir)
+    adapter = get_adapter(model.config)
+    windows = data.token_windows(tok, data.builtin_text("calib").text, 256, 3)
+    imp = ActivationImportance(model, adapter)
+    imp.add_batch(model, windows[:2])
+    imp.remove_hooks()
+    for retain in (0.7, 0.5):
+        shape = budget.uniform_candidates(adapter, model.config, retain)[0]
+        masks = imp.decide(shape)
+        with torch.inference_mode(), masked(model, adapter, masks):
+            ref = model(windows[2:]).logits
+        pruned = prune(model, adapter, masks)
+        with torch.inference_mode():
+            got = pruned(windows[2:]).logits
+        torch.testing.assert_close(got, ref, atol=1e-8, rtol=1e-8)
+        assert budget.retention(adapter, model.config, shape) <= retain
+
+
+def test_real_package(real_package, real_model_dir):
+    m = json.loads((real_package / "manifest.json").read_text())
+    assert m["source"]["model"].startswith("SmolLM2-135M-Instruct (embedded")
+    assert m["method"]["calibration"]["source"].startswith("built-in corpus")
+    assert m["method"]["retain_achieved"] <= 0.5
+    q = m["quality"]["perplexity"]
+    assert 5 < q["dense"] < q["pruned"] < 10 * q["dense"] * 50  # pruned is worse, and not broken
+    assert m["size"]["ideal_ratio"] > 1.3
+    # the package is a plain HF checkpoint: transformers loads it and it writes English
+    model = AutoModelForCausalLM.from_pretrained(real_package).eval()
+    tok = AutoTokenizer.from_pretrained(real_package)
+    assert model.config.num_hidden_layers == 30 and model.dtype == torch.bfloat16
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 5
