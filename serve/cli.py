@@ -36,10 +36,14 @@ def serve(package, host, port, tensor_parallel_size, print_command, vllm_args):
     """Start vLLM's OpenAI-compatible server for PACKAGE with its recommended arguments.
 
     Arguments after the options go to vLLM unchanged (e.g. `serve PKG --enforce-eager`).
+    An ONNX package (optimize --format onnx) is served by onnxruntime behind the same
+    endpoint (serve/ort_server.py); arguments then go to that server (e.g. `--threads 2`).
     """
     manifest = _manifest(package)
     extra = list(vllm_args)
     if tensor_parallel_size:
+        if manifest.get("format") == "onnx":
+            raise UserError("-tp is vLLM tensor parallelism; an ONNX package is served by onnxruntime")
         extra += ["--tensor-parallel-size", str(tensor_parallel_size)]
     cmd = launch.package_command(package, manifest, host, port, extra)
     if print_command:
@@ -54,7 +58,8 @@ def serve(package, host, port, tensor_parallel_size, print_command, vllm_args):
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("package", type=click.Path())
 @click.option("--baseline", help="Dense model to compare with: HF dir, GGUF, hub id, or 'embedded' "
-                                 "(default: the package's source model).")
+                                 "(default: the package's source model), or a package directory, served "
+                                 "by its own format (an ONNX package needs an ONNX baseline package).")
 @click.option("--concurrency", default="1,4,16", show_default=True, help="Comma-separated load levels.")
 @click.option("--requests", "requests_per_level", type=int, help="Requests per level (default: max(8, 2 x concurrency)).")
 @click.option("--prompt-tokens", default=128, show_default=True)
@@ -63,7 +68,8 @@ def serve(package, host, port, tensor_parallel_size, print_command, vllm_args):
 @click.option("--port", default=8123, show_default=True)
 @click.option("--out", type=click.Path(), help="Directory for bench.json / bench.md / bench.png "
                                               "(default: bench-results/<package name>).")
-@click.option("--vllm-args", default="", help="Extra vLLM arguments for both servers, e.g. '--enforce-eager'.")
+@click.option("--vllm-args", default="", help="Extra vLLM arguments for both servers, e.g. '--enforce-eager' "
+                                              "(ONNX packages: ort_server arguments, e.g. '--threads 2').")
 @one_line_errors
 def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, output_tokens, rounds, port, out,
           vllm_args):
@@ -75,16 +81,21 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
         raise UserError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
     if not levels or min(levels) < 1 or rounds < 1:
         raise UserError("--concurrency levels and --rounds must be >= 1")
-    base_dir = _baseline_dir(baseline, manifest)
+    base_dir, base_manifest = _baseline(baseline, manifest)
     name = manifest["engine"]["served_model_name"]
     out_dir = Path(out or Path("bench-results") / name)
     extra = shlex.split(vllm_args)
     vocab = json.loads((Path(package) / "config.json").read_text())["vocab_size"]
     host = "127.0.0.1"
     base_url = f"http://{host}:{port}"
+    if base_manifest is None:  # a model directory: vLLM with the package's arguments
+        dense_cmd = launch.server_command(str(base_dir), "dense", manifest["engine"]["args"]) + \
+            ["--host", host, "--port", str(port), *extra]
+    else:
+        dense_cmd = launch.package_command(base_dir, base_manifest, host, port, extra, served_name="dense")
     servers = {
-        "dense": (launch.server_command(str(base_dir), "dense", manifest["engine"]["args"]), "dense"),
-        "pruned": (launch.server_command(str(Path(package).resolve()), name, manifest["engine"]["args"]), name),
+        "dense": (dense_cmd, "dense"),
+        "pruned": (launch.package_command(package, manifest, host, port, extra), name),
     }
     runs = {"dense": {str(c): [] for c in levels}, "pruned": {str(c): [] for c in levels}}
     env = launch.server_env(manifest)
@@ -92,7 +103,6 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
         order = ["dense", "pruned"] if r % 2 == 0 else ["pruned", "dense"]  # cancel slow drift
         for label in order:
             cmd, served = servers[label]
-            cmd = cmd + ["--host", host, "--port", str(port), *extra]
             click.echo(f"round {r + 1}/{rounds}: starting {label} server", err=True)
             with launch.running(cmd, env, base_url, out_dir / f"server-{label}-{r + 1}.log"):
                 # Warm-up: first requests pay for graph capture / allocator growth.
@@ -108,7 +118,7 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     results = {
         "meta": {"package": str(Path(package).resolve()), "baseline": str(base_dir),
                  "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                 "host": platform.node(), "cpus": os.cpu_count(), "engine": _engine_version(),
+                 "host": platform.node(), "cpus": os.cpu_count(), "engine": _engine_version(manifest),
                  "engine_args": manifest["engine"]["args"] + extra, "rounds": rounds,
                  "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                  "command": " ".join(sys.argv)},
@@ -118,6 +128,21 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     summary = report.write_report(results, out_dir)
     click.echo(report.markdown_table(summary))
     click.echo(f"written: {out_dir}/bench.json, bench.md, bench.png", err=True)
+
+
+def _baseline(baseline: str | None, manifest: dict) -> tuple[Path, dict | None]:
+    """The baseline's directory, and its manifest when it is a package (served by its own format)."""
+    fmt = manifest.get("format", "vllm")
+    if baseline is not None and (Path(baseline) / launch.MANIFEST).is_file():
+        base_manifest = _manifest(baseline)
+        if base_manifest.get("format", "vllm") != fmt:
+            raise UserError(f"the baseline package is {base_manifest.get('format', 'vllm')} and the package is {fmt}: "
+                            "compare packages of the same format")
+        return Path(baseline).resolve(), base_manifest
+    if fmt == "onnx":
+        raise UserError("an ONNX package is measured against an ONNX baseline: make one with "
+                        "`optimize MODEL --retain 1.0 --format onnx` and pass its directory as --baseline")
+    return _baseline_dir(baseline, manifest), None
 
 
 def _baseline_dir(baseline: str | None, manifest: dict) -> Path:
@@ -130,6 +155,9 @@ def _baseline_dir(baseline: str | None, manifest: dict) -> Path:
     return load.resolve(None if baseline in ("embedded", "default") else baseline).hf_dir
 
 
-def _engine_version() -> str:
+def _engine_version(manifest: dict) -> str:
+    if manifest.get("format") == "onnx":
+        import onnxruntime
+        return f"onnxruntime {onnxruntime.__version__}"
     from optimizer.plan import installed_vllm_version
     return f"vllm {installed_vllm_version() or 'unknown'}"

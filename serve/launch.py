@@ -20,6 +20,7 @@ from serve.loadgen import wait_for_server
 MANIFEST = "manifest.json"
 SCHEMA = 1
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+ORT_SERVER_MODULE = "serve.ort_server"  # ONNX packages: onnxruntime behind the same endpoint
 
 
 def read_manifest(package: str | Path) -> dict:
@@ -39,9 +40,15 @@ def server_command(model_dir: str, served_name: str, args: list[str], python: st
     return [python, "-m", SERVER_MODULE, "--model", model_dir, "--served-model-name", served_name, *args]
 
 
-def package_command(package: str | Path, manifest: dict, host: str, port: int, extra: list[str] = ()) -> list[str]:
+def package_command(package: str | Path, manifest: dict, host: str, port: int, extra: list[str] = (),
+                    served_name: str | None = None) -> list[str]:
+    """The server for this package, chosen by the manifest's format (vLLM unless "onnx")."""
     engine = manifest["engine"]
-    return server_command(str(Path(package).resolve()), engine["served_model_name"], engine["args"]) + \
+    name = served_name or engine["served_model_name"]
+    if manifest.get("format") == "onnx":
+        return [sys.executable, "-m", ORT_SERVER_MODULE, str(Path(package).resolve()), "--served-model-name", name,
+                *engine.get("args", []), "--host", host, "--port", str(port), *extra]
+    return server_command(str(Path(package).resolve()), name, engine["args"]) + \
         ["--host", host, "--port", str(port), *extra]
 
 

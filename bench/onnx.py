@@ -1,0 +1,161 @@
+"""Figures for ONNX packages: onnxruntime-CPU throughput pruned/dense, export and validation time.
+
+    .venv/bin/python bench/onnx.py                        # full protocol (SmolLM2, r 0.7 and 0.5)
+    .venv/bin/python bench/onnx.py --model DIR --calib FILE --seq-len 64 --calib-windows 2 \\
+        --eval-windows 1 --retain 0.6 --rounds 1 --requests 4 --output-tokens 8 --out /tmp/x   # smoke run
+
+Protocol: SmolLM2-135M (embedded), pruned by the one-shot structured method (`activation`,
+uniform layout) at each --retain with calibration on WikiText-2 validation (16 x 2048 tokens,
+as bench/spine.py), exported with `--format onnx` (fp32, validated on export), plus the dense
+model through the same path (`--retain 1.0`) as the baseline. Then `bench PACKAGE --baseline
+DENSE_PACKAGE` at concurrency 1 and 4: the ONNX server (serve/ort_server.py, continuous
+batching) for each, alternating for --rounds rounds, best-of-N reported. The ideal ratio is
+dense / pruned ONNX weight bytes (what a memory-bound decode step streams). Writes
+bench/results/onnx/onnx.json and onnx.md; packages go under out/onnx/ (ignored by git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# `python bench/onnx.py` puts bench/ first on sys.path, where this file would shadow the onnx package.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from optimizer.pipeline import OptimizeConfig, optimize  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF dir or GGUF (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--calib", help="calibration text (default: WikiText-2 validation from --data)")
+    ap.add_argument("--retain", type=float, nargs="+", default=[0.7, 0.5])
+    ap.add_argument("--target", default="cpu")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--calib-windows", type=int, default=16)
+    ap.add_argument("--eval-windows", type=int, default=4, help="perplexity windows (quality is spine.py's job)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--requests", type=int, help="requests per level (default: bench's)")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (pipeline) and onnxruntime threads (server)")
+    ap.add_argument("--port", type=int, default=8131)
+    ap.add_argument("--skip-serve", action="store_true", help="packages, export and validation times only")
+    ap.add_argument("--packages", default=str(ROOT / "out" / "onnx"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "onnx"))
+    args = ap.parse_args()
+
+    calib = Path(args.calib) if args.calib else Path(args.data) / "wikitext2-valid.txt"
+    out, packages = Path(args.out), Path(args.packages)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    results = {"protocol": {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "target": args.target,
+                            "method": "activation (one-shot structured, uniform)", "format": "onnx fp32",
+                            "calib": str(calib), "seq_len": args.seq_len, "calib_windows": args.calib_windows,
+                            "threads": args.threads, "rounds": args.rounds, "concurrency": args.concurrency,
+                            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+                            "command": " ".join(sys.argv)},
+               "dense": None, "levels": []}
+    # All packages first (the dense one too), then all serving runs back to back.
+    for retain in [1.0] + args.retain:
+        pkg = packages / f"{_name(args)}-r{retain:.2f}"
+        shutil.rmtree(pkg, ignore_errors=True)
+        t0 = time.time()
+        res = optimize(OptimizeConfig(model=args.model, target=args.target, method="activation", retain=retain,
+                                      calib=str(calib), out=str(pkg), format="onnx", calib_windows=args.calib_windows,
+                                      eval_windows=args.eval_windows, seq_len=args.seq_len, threads=args.threads))
+        m = res["manifest"]
+        c = m["checks"]["onnx"]
+        entry = {"retain": retain, "package": str(pkg), "optimize_wall_s": round(time.time() - t0, 1),
+                 "retain_achieved": m["method"]["retain_achieved"], "shape": m["method"]["shape"],
+                 "onnx_bytes": m["onnx"]["bytes"], "export_s": c["export_s"], "validate_s": c["validate_s"],
+                 "validation": {"prefill_max_abs_diff": c["prefill"]["logits_max_abs_diff"],
+                                "decode_max_abs_diff": c["decode"]["logits_max_abs_diff"],
+                                "greedy_matched": c["greedy"]["matched"], "greedy_tokens": c["greedy"]["tokens"]}}
+        if retain == 1.0:
+            results["dense"] = entry
+        else:
+            entry["ideal_ratio"] = results["dense"]["onnx_bytes"] / entry["onnx_bytes"]
+            results["levels"].append(entry)
+        (out / "onnx.json").write_text(json.dumps(results, indent=2) + "\n")
+    for level in results["levels"] if not args.skip_serve else []:
+        bench_dir = out / f"bench-r{level['retain']:.2f}"
+        cmd = [str(ROOT / ".venv" / "bin" / "bench"), level["package"], "--baseline", results["dense"]["package"], "--concurrency", args.concurrency,
+                "--rounds", str(args.rounds), "--prompt-tokens", str(args.prompt_tokens),
+                "--output-tokens", str(args.output_tokens), "--port", str(args.port), "--out", str(bench_dir),
+                "--vllm-args", f"--threads {args.threads}"]
+        if args.requests:
+            cmd += ["--requests", str(args.requests)]
+        subprocess.run(cmd, check=True)
+        summary = json.loads((bench_dir / "bench.json").read_text())["summary"]
+        level["serving"] = _serving_figures(summary, level["ideal_ratio"])
+        (out / "onnx.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "onnx.md").write_text(_markdown(results))
+    print(_markdown(results))
+
+
+def _name(args) -> str:
+    return "smollm2" if not args.model else Path(args.model).name.lower()
+
+
+def _serving_figures(summary: dict, ideal: float) -> dict:
+    best, ratios = summary["best"], summary["ratios"]
+    fig = {}
+    for c in summary["concurrencies"]:
+        ratio = ratios["pruned"][c]["tokens_per_s"]
+        fig[c] = {"dense_tok_s": best["dense"][c]["output_tokens_per_s"],
+                  "pruned_tok_s": best["pruned"][c]["output_tokens_per_s"],
+                  "ratio": ratio, "fraction_of_ideal": ratio / ideal if ratio else None,
+                  "tpot_p50_ms": {"dense": best["dense"][c]["tpot_ms"]["p50"],
+                                  "pruned": best["pruned"][c]["tpot_ms"]["p50"]}}
+    return fig
+
+
+def _markdown(results: dict) -> str:
+    p, d = results["protocol"], results["dense"]
+    levels = p["concurrency"].split(",")
+    f = lambda x, fmt="{:.2f}": fmt.format(x) if x is not None else "—"  # noqa: E731
+    lines = [f"# ONNX figures: {p['model']}, onnxruntime CPU", "",
+             f"Method {p['method']}, {p['format']}, calibration {Path(p['calib']).name} "
+             f"({p['calib_windows']} x {p['seq_len']} tokens); serve/ort_server.py with {p['threads']} threads, "
+             f"prompts of {p['prompt_tokens']} random tokens, {p['output_tokens']} output tokens, best of "
+             f"{p['rounds']} alternating rounds against the dense model exported the same way.", "",
+             "| retain (achieved) | shape (heads/KV/MLP) | ONNX MB | ideal | " +
+             " | ".join(f"tok/s dense/pruned c={c} | ratio c={c} | of ideal c={c}" for c in levels) +
+             " | export | validation |",
+             "|---|---|---:|---:|" + "---:|---:|---:|" * len(levels) + "---:|---:|"]
+    if d:
+        s = d["shape"]
+        lines.append(f"| dense | {s['num_heads']}/{s['num_kv_heads']}/{s['intermediate_size']} | "
+                     f"{d['onnx_bytes'] / 1e6:.0f} | 1.00x | " + " | ".join("— | — | —" for _ in levels) +
+                     f" | {d['export_s']:.1f} s | {d['validate_s']:.1f} s |")
+    for lv in results["levels"]:
+        s, sv = lv["shape"], lv.get("serving", {})
+        cells = []
+        for c in levels:
+            x = sv.get(c, {})
+            cells.append(f"{f(x.get('dense_tok_s'), '{:.0f}')}/{f(x.get('pruned_tok_s'), '{:.0f}')} | "
+                         f"{f(x.get('ratio'))} | {f(x.get('fraction_of_ideal'), '{:.0%}')}")
+        lines.append(f"| {lv['retain']:.2f} ({lv['retain_achieved']:.3f}) | {s['num_heads']}/{s['num_kv_heads']}/"
+                     f"{s['intermediate_size']} | {lv['onnx_bytes'] / 1e6:.0f} | {lv['ideal_ratio']:.2f}x | " +
+                     " | ".join(cells) + f" | {lv['export_s']:.1f} s | {lv['validate_s']:.1f} s |")
+    lines += ["", "Validation on export (max |logit diff| vs PyTorch, prefill / decode; greedy tokens identical):", ""]
+    for lv in ([d] if d else []) + results["levels"]:
+        v = lv["validation"]
+        lines.append(f"- r={lv['retain']:.2f}: {v['prefill_max_abs_diff']:.2e} / {v['decode_max_abs_diff']:.2e}; "
+                     f"greedy {v['greedy_matched']}/{v['greedy_tokens']}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Write an ONNX package: a decoder graph with KV cache, validated on onnxruntime, plus a server.
+
+The pipeline calls `engine_section` and `write_package` (the same seam as exporters/vllm.py);
+`export_decoder` is the reusable step (fp32 or fp16, external data on demand).
+
+Package layout:
+  model.onnx (+ model.onnx.data)  the decoder (exporters/decoder.py traced with torch.onnx,
+                                  TorchScript exporter, opset 17, standard ops only)
+  config.json, generation_config.json, tokenizer files
+                                  the HF description (bench reads vocab_size from config.json)
+  genai_config.json               for onnxruntime-genai, when the layout is uniform (exporters/genai.py)
+  manifest.json, report.md        as for vLLM; manifest["checks"]["onnx"] holds the validation
+  ort_server.py, launch.sh        a copy of serve/ort_server.py, which needs only numpy,
+                                  onnxruntime and tokenizers, and its launcher
+  Dockerfile                      the same on a slim Python image (docker/ort-cpu.Dockerfile)
+
+Written into the caller's temporary directory and renamed into place only after validation
+passed, so a graph that does not reproduce the model never becomes a package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from exporters import genai
+from exporters.decoder import Decoder, LayerShape
+from exporters.vllm import DOCKER_DIR
+from serve.launch import MANIFEST
+
+MODEL_FILE = "model.onnx"
+OPSET = 17
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# protobuf cannot serialize a message over 2 GiB; stay clear of it (initializers + graph).
+EXTERNAL_DATA_BYTES = 1_800_000_000
+SERVER_FILE = Path(__file__).resolve().parents[1] / "serve" / "ort_server.py"
+
+
+def engine_section(target_kind: str, max_model_len: int, served_model_name: str) -> dict:
+    """The manifest's `engine` entry: what `serve` runs and what the package needs."""
+    import onnxruntime
+    providers = ["CPUExecutionProvider"] if target_kind == "cpu" else ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return {"name": "onnxruntime", "tested_with": f"onnxruntime {onnxruntime.__version__} (CPU)",
+            "requires": "onnxruntime >= 1.17, numpy, tokenizers (ort_server.py in the package)",
+            "served_model_name": served_model_name, "max_model_len": max_model_len,
+            "model_file": MODEL_FILE, "dtype": "float32", "providers": providers,
+            "args": [], "env": {}}
+
+
+def export_decoder(model, path: Path, dtype: str = "float32", external_data: bool | None = None,
+                   opset: int = OPSET) -> dict:
+    """Trace `model` (a transformers LLaMA-style CausalLM) into `path` with KV-cache inputs/outputs.
+
+    dtype: "float32" or "float16" (weights, activations, cache and logits; norms and softmax
+    stay fp32 inside the graph). onnxruntime's CPU provider runs an fp16 graph only by
+    inserting casts to fp32 around the ops it has no fp16 kernel for: correct, but neither
+    smaller in memory nor faster there; fp16 is for GPU providers.
+    external_data: weights in `<path>.data` beside the graph; None = only when the graph
+    would pass protobuf's 2 GiB limit, True forces it (tests), False refuses large models.
+    """
+    import onnx
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    t0 = time.time()
+    path = Path(path)
+    dec = Decoder(model, DTYPES[dtype]).eval()
+    weight_bytes = sum(b.numel() * b.element_size() for b in dec.buffers())
+    if external_data is None:
+        external_data = weight_bytes > EXTERNAL_DATA_BYTES
+    elif not external_data and weight_bytes > EXTERNAL_DATA_BYTES:
+        raise ValueError(f"{weight_bytes / 1e9:.1f} GB of weights cannot be stored inside one ONNX file")
+    args = _example_inputs(dec)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as scratch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracer and deprecation warnings: validation is the real check
+        raw = str(Path(scratch) / MODEL_FILE)
+        with torch.no_grad():
+            torch.onnx.export(dec, args, raw, dynamo=False, input_names=dec.input_names(),
+                              output_names=dec.output_names(), dynamic_axes=_dynamic_axes(dec),
+                              opset_version=opset, do_constant_folding=True)
+        proto = onnx.load(raw)  # also reads the weights torch wrote as external files (> 2 GiB)
+    meta = {"producer": "llm-deploy-optimizer", "layers": json.dumps([s.__dict__ for s in dec.shapes]),
+            "head_dim": str(dec.d), "dtype": dtype}
+    for k, v in meta.items():
+        proto.metadata_props.add(key=k, value=v)
+    data_name = path.name + ".data"
+    if external_data:
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data_name, size_threshold=1024)
+    else:
+        onnx.save_model(proto, str(path))
+    onnx.checker.check_model(str(path))  # by path: works past 2 GiB
+    files = [path.name] + ([data_name] if external_data else [])
+    return {"file": path.name, "files": files, "dtype": dtype, "opset": opset, "external_data": external_data,
+            "bytes": sum((path.parent / f).stat().st_size for f in files), "weight_bytes": weight_bytes,
+            "tied_embeddings": dec.tied, "layers": [s.__dict__ for s in dec.shapes], "head_dim": dec.d,
+            "uniform": len({(s.num_heads, s.num_kv_heads, s.intermediate_size) for s in dec.shapes}) == 1,
+            "export_s": round(time.time() - t0, 2)}
+
+
+def _example_inputs(dec: Decoder) -> tuple:
+    # Sizes other than 0 and 1 (and all different), so that the tracer cannot mistake one
+    # dynamic size for another or for a constant.
+    b, s, p = 2, 3, 5
+    ids = torch.randint(0, dec.embed.shape[0], (b, s))
+    mask = torch.ones(b, p + s, dtype=torch.long)
+    pos = torch.arange(p, p + s)[None].expand(b, s).contiguous()
+    past = [torch.zeros(b, sh.num_kv_heads, p, dec.d, dtype=dec.dtype) for sh in dec.shapes for _ in range(2)]
+    return (ids, mask, pos, *past)
+
+
+def _dynamic_axes(dec: Decoder) -> dict:
+    axes = {"input_ids": {0: "batch_size", 1: "sequence_length"},
+            "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
+            "position_ids": {0: "batch_size", 1: "sequence_length"},
+            "logits": {0: "batch_size", 1: "sequence_length"}}
+    axes.update({n: {0: "batch_size", 2: "past_sequence_length"} for n in dec.input_names()[3:]})
+    axes.update({n: {0: "batch_size", 2: "total_sequence_length"} for n in dec.output_names()[1:]})
+    return axes
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return sorted({eos} if isinstance(eos, int) else set(eos))
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [eos] if eos is not None else []
+
+
+def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report_md: str,
+                  dtype: str = "float32", external_data: bool | None = None) -> Path:
+    """Export, validate, write the rest; rename `tmp` to `out`. The caller removes `tmp` if this raises."""
+    from exporters.onnx_check import ValidationError, validate
+    tmp = Path(tmp)
+    model = model.float().eval()
+    graph = export_decoder(model, tmp / MODEL_FILE, dtype=dtype, external_data=external_data)
+    try:
+        checks = validate(model, tmp / MODEL_FILE, dtype=dtype, tokenizer=tokenizer)
+    except ValidationError as e:
+        raise RuntimeError(f"ONNX validation failed, no package written: {e}") from None
+    checks["export_s"] = graph["export_s"]
+
+    engine = manifest["engine"]
+    eos = eos_token_ids(model, tokenizer)
+    engine.update(dtype=dtype, model_file=MODEL_FILE, eos_token_ids=eos,
+                  external_data=graph["external_data"])
+    shapes = [LayerShape(**s) for s in graph["layers"]]
+    reason = genai.unsupported_reason(shapes) or \
+        (None if eos else "no EOS token id in the model or tokenizer")
+    if reason is None:
+        cfg = genai.genai_config(model.config, shapes, graph["head_dim"],
+                                 engine.get("max_model_len", 2048), eos, MODEL_FILE, engine["providers"])
+        (tmp / genai.FILENAME).write_text(json.dumps(cfg, indent=2) + "\n")
+    engine["onnxruntime_genai"] = {"config": genai.FILENAME} if reason is None else {"unsupported": reason}
+    manifest["onnx"] = {k: graph[k] for k in ("files", "dtype", "opset", "external_data", "bytes", "weight_bytes",
+                                              "tied_embeddings", "head_dim", "uniform")}
+    if not graph["uniform"]:
+        manifest["onnx"]["layers"] = graph["layers"]
+    manifest.setdefault("checks", {})["onnx"] = checks
+
+    tokenizer.save_pretrained(tmp)
+    config = model.config.to_dict()
+    config["dtype"] = dtype
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (tmp / "report.md").write_text(_report(report_md, manifest))
+    shutil.copyfile(SERVER_FILE, tmp / "ort_server.py")
+    _write_launcher(tmp, engine)
+    _write_dockerfile(tmp, engine)
+    for f in tmp.iterdir():
+        f.chmod(0o755 if f.name == "launch.sh" else 0o644)
+    os.replace(tmp, Path(out).expanduser().resolve())
+    return out
+
+
+def _server_args(engine: dict) -> list[str]:
+    return ["--served-model-name", engine["served_model_name"], *engine.get("args", [])]
+
+
+def _write_launcher(tmp: Path, engine: dict) -> None:
+    args = " ".join(_server_args(engine))
+    text = ("#!/usr/bin/env sh\n"
+            "# Serve this package with onnxruntime behind an OpenAI-compatible /v1/completions endpoint.\n"
+            "# Needs: pip install onnxruntime numpy tokenizers. Extra arguments go to the server,\n"
+            "# e.g. ./launch.sh --port 8000 --threads 4\n"
+            "set -e\n"
+            'HERE="$(cd "$(dirname "$0")" && pwd)"\n'
+            f'exec "${{PYTHON:-python3}}" "$HERE/ort_server.py" "$HERE" {args} "$@"\n')
+    (tmp / "launch.sh").write_text(text)
+
+
+def _write_dockerfile(tmp: Path, engine: dict) -> None:
+    entry = ["python3", "/package/ort_server.py", "/package", *_server_args(engine)]
+    import onnxruntime
+    text = (DOCKER_DIR / "ort-cpu.Dockerfile").read_text().replace("{{ENTRYPOINT}}", json.dumps(entry)) \
+        .replace("{{ORT_VERSION}}", onnxruntime.__version__)
+    (tmp / "Dockerfile").write_text(text)
+
+
+def _report(report_md: str, manifest: dict) -> str:
+    """The pipeline's report with its serving section (written for vLLM) replaced by this package's."""
+    head = report_md.split("\n## Serving\n")[0].rstrip("\n")
+    e, c, g = manifest["engine"], manifest["checks"]["onnx"], manifest["onnx"]
+    greedy = c["greedy"]
+    tie = f", parted at a near-tie at token {greedy['parted_at_near_tie']['step']}" if greedy["parted_at_near_tie"] else ""
+    genai_line = (f"- `{genai.FILENAME}`: runs with onnxruntime-genai" if "config" in e["onnxruntime_genai"]
+                  else f"- no `{genai.FILENAME}`: {e['onnxruntime_genai']['unsupported']}")
+    lines = [head, "", "## Serving (ONNX)", "",
+             f"- graph: `{g['files'][0]}`{' + external data' if g['external_data'] else ''}, {g['dtype']}, "
+             f"opset {g['opset']}, {g['bytes'] / 1e6:.1f} MB, KV cache as past_key_values.*/present.*",
+             f"- `./launch.sh` or `serve .` starts `ort_server.py` (onnxruntime, OpenAI-compatible "
+             f"`/v1/completions`, continuous batching); `Dockerfile` does the same on python:3.12-slim",
+             genai_line,
+             f"- validated against {c['reference']} on onnxruntime {e['tested_with'].split()[1]}: "
+             f"prefill logits max |diff| {c['prefill']['logits_max_abs_diff']:.2e}, decode "
+             f"{c['decode']['logits_max_abs_diff']:.2e} (tolerance {c['tolerance_of_scale']:g} x the largest logit); greedy "
+             f"{greedy['matched']}/{greedy['tokens']} tokens identical{tie}",
+             f"- export {c['export_s']:.1f} s, validation {c['validate_s']:.1f} s",
+             f"- internal check: masked vs physically pruned logits differ by at most "
+             f"{manifest['checks'].get('masked_vs_pruned_max_abs_logit_diff', float('nan')):.2e}", ""]
+    return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""Validate an exported decoder against the PyTorch model before a package is written.
+
+What optimum checks after an export (output names, shapes, `allclose` against PyTorch), for
+the two ways a decoder is used: a prefill step (batch of two, one row left-padded) and a
+decode step fed with the graph's own `present` tensors; then greedy generation over 32
+tokens, run by the serving code's own loop (serve/ort_server.py), against PyTorch's.
+
+Greedy parity is exact unless the sequences part at a step where PyTorch's two best logits are
+closer than the numeric tolerance (a tie the two runtimes may break either way); that is
+reported, not failed, and the comparison stops there, since the two continuations differ.
+
+The reference is the transformers model. A model whose modules cannot run its own forward
+(e.g. per-layer head counts without per-module group sizes) is compared with the functional
+decoder (exporters/decoder.py) instead, and the report says so; that decoder is tested
+against transformers for every family and for per-layer shapes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from exporters.decoder import Decoder, head_dim, layer_shapes
+from serve.ort_server import OrtDecoder
+
+# |onnx - torch| <= TOLERANCE x max(1, max |torch|) per output. The reference is itself fp32:
+# on SmolLM2-135M pruned to 0.5, PyTorch's fp32 logits are up to 8.6e-3 from a float64 run
+# (2.8e-4 of their scale 30.3) while onnxruntime's are 5.4e-4 away, so optimum's absolute 1e-4
+# would reject correct exports; a wrong mask, RoPE or head layout moves logits by whole units,
+# far beyond 1e-3 of their scale. fp16 is compared with the fp32 model: its tolerance is fp16
+# rounding through every layer (4.7e-3 of the scale on dense SmolLM2), not an export error.
+TOLERANCE = {"float32": 1e-3, "float16": 2e-2}
+GREEDY_TOKENS = 32
+
+
+class ValidationError(RuntimeError):
+    """The exported graph does not reproduce the model; the message is one readable line."""
+
+
+class _Reference:
+    """PyTorch forward with a cache: __call__(ids, mask, pos, state) -> (logits, state, presents)."""
+
+    def __init__(self, model):
+        self.model, self.name = model, "transformers"
+        try:
+            with torch.inference_mode():
+                # with padding, as validation runs it: without a mask transformers may take a
+                # grouped-attention path that hides wrong per-module group sizes
+                model(torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1]]), use_cache=True)
+        except Exception as e:  # noqa: BLE001 - any failure means: use the functional twin
+            self.name = f"functional decoder (transformers forward fails: {type(e).__name__}: {str(e)[:120]})"
+            self.dec = Decoder(model).eval()
+
+    @torch.inference_mode()
+    def __call__(self, ids, mask, pos, state=None):
+        if self.name == "transformers":
+            out = self.model(ids, attention_mask=mask, position_ids=pos, past_key_values=state, use_cache=True)
+            cache = out.past_key_values
+            presents = [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]
+            return out.logits.float(), cache, presents
+        out = self.dec(ids, mask, pos, *(state if state is not None else self.dec.empty_past(ids.shape[0])))
+        return out[0], list(out[1:]), list(out[1:])
+
+
+def validate(model, onnx_path: Path, dtype: str = "float32", tokenizer=None, seed: int = 0,
+             threads: int | None = None) -> dict:
+    """Run the checks; raise ValidationError (one line) on the first failure; return the figures.
+
+    threads: onnxruntime threads, by default as many as torch uses (the pipeline's --threads).
+    """
+    t0 = time.time()
+    threads = threads or torch.get_num_threads()
+    tol = TOLERANCE[dtype]
+    shapes = layer_shapes(model)
+    d = head_dim(model.config)
+    try:
+        ort_dec = OrtDecoder(onnx_path, threads=threads)
+    except Exception as e:
+        raise ValidationError(f"onnxruntime cannot load the exported graph: {_line(e)}") from None
+    names_in = ["input_ids", "attention_mask", "position_ids"] + \
+        [f"past_key_values.{i}.{kv}" for i in range(len(shapes)) for kv in ("key", "value")]
+    names_out = ["logits"] + [f"present.{i}.{kv}" for i in range(len(shapes)) for kv in ("key", "value")]
+    got_in = [i.name for i in ort_dec.session.get_inputs()]
+    if got_in != names_in or ort_dec.output_names != names_out:
+        raise ValidationError(f"graph names differ from the expected ones: inputs {got_in[:4]}..., "
+                              f"outputs {ort_dec.output_names[:3]}...")
+    ref = _Reference(model)
+    vocab = ort_dec.vocab_size
+    rng = np.random.default_rng(seed)
+    figures = {"reference": ref.name, "dtype": dtype, "tolerance_of_scale": tol}
+
+    # prefill: two rows of 12 tokens, the second left-padded by 4
+    b, s, pad = 2, 12, 4
+    ids = torch.from_numpy(rng.integers(0, vocab, (b, s)))
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[1, :pad] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    r_logits, state, r_pres = ref(ids, mask, pos)
+    logits, pres = _run(ort_dec, ids, mask, pos, ort_dec.empty_past(b))
+    _shapes("prefill", logits, pres, (b, s, vocab), shapes, d, s)
+    keep = mask.bool().numpy()
+    figures["prefill"] = _compare("prefill", logits[keep], r_logits.numpy()[keep], pres, r_pres, keep, tol)
+
+    # decode: one token per row, fed with the graph's own presents
+    nxt = torch.from_numpy(rng.integers(0, vocab, (b, 1)))
+    mask2 = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], dim=1)
+    pos2 = pos[:, -1:] + 1
+    r_logits2, _, r_pres2 = ref(nxt, mask2, pos2, state)
+    logits2, pres2 = _run(ort_dec, nxt, mask2, pos2, pres)
+    _shapes("decode", logits2, pres2, (b, 1, vocab), shapes, d, s + 1)
+    figures["decode"] = _compare("decode", logits2, r_logits2.numpy(), pres2, r_pres2, mask2.bool().numpy(), tol)
+
+    figures["greedy"] = _greedy(ort_dec, ref, _prompt(tokenizer, vocab, rng), tol)
+    figures["validate_s"] = round(time.time() - t0, 2)
+    return figures
+
+
+def _run(dec: OrtDecoder, ids, mask, pos, past):
+    try:
+        return dec.run(ids.numpy(), mask.numpy(), pos.numpy(), past)
+    except Exception as e:
+        raise ValidationError(f"onnxruntime failed to run the exported graph: {_line(e)}") from None
+
+
+def _shapes(step, logits, pres, want_logits, shapes, d, total) -> None:
+    if logits.shape != want_logits:
+        raise ValidationError(f"{step}: logits shape {logits.shape}, expected {want_logits}")
+    for i, sh in enumerate(shapes):
+        want = (want_logits[0], sh.num_kv_heads, total, d)
+        for j, kind in enumerate(("key", "value")):
+            if pres[2 * i + j].shape != want:
+                raise ValidationError(f"{step}: present.{i}.{kind} shape {pres[2 * i + j].shape}, expected {want}")
+
+
+def _compare(step, logits, r_logits, pres, r_pres, keep, tol) -> dict:
+    """Max abs differences; fail beyond tolerance. Cache rows at padded positions are not compared."""
+    diff = _excess(logits.astype(np.float32), r_logits, tol)
+    if diff["excess"] > 0:
+        raise ValidationError(f"{step}: logits differ from PyTorch by up to {diff['max_abs']:.3g} "
+                              f"(tolerance {diff['limit']:.3g} = {tol:g} x their scale)")
+    worst = 0.0
+    for i, (a, r) in enumerate(zip(pres, r_pres)):
+        r = r.float().numpy()
+        a = a[:, :, -r.shape[2]:].astype(np.float32)  # a sliding-window cache keeps only the last tokens
+        valid = keep[:, None, -r.shape[2]:, None]
+        dd = _excess(np.where(valid, a, 0), np.where(valid, r, 0), tol)
+        if dd["excess"] > 0:
+            raise ValidationError(f"{step}: present.{i // 2}.{('key', 'value')[i % 2]} differs from PyTorch's cache "
+                                  f"by up to {dd['max_abs']:.3g} (tolerance {dd['limit']:.3g})")
+        worst = max(worst, dd["max_abs"])
+    return {"logits_max_abs_diff": diff["max_abs"], "present_max_abs_diff": worst,
+            "logits_max_abs": float(np.abs(r_logits).max())}
+
+
+def _excess(a: np.ndarray, r: np.ndarray, tol: float) -> dict:
+    limit = tol * max(1.0, float(np.abs(r).max(initial=0.0)))
+    if not np.isfinite(a).all():
+        return {"max_abs": float("nan"), "excess": 1.0, "limit": limit}
+    d = float(np.abs(a - r).max(initial=0.0))
+    return {"max_abs": d, "excess": d - limit, "limit": limit}
+
+
+def _prompt(tokenizer, vocab: int, rng) -> list[int]:
+    if tokenizer is not None:
+        ids = tokenizer("The history of the city begins in", add_special_tokens=True)["input_ids"]
+        if ids and max(ids) < vocab:
+            return list(ids)
+    return rng.integers(0, vocab, 8).tolist()
+
+
+def _greedy(ort_dec: OrtDecoder, ref: _Reference, prompt: list[int], tol: float) -> dict:
+    ort_tokens, _ = ort_dec.greedy(prompt, GREEDY_TOKENS)
+    ids = torch.tensor([prompt])
+    n = len(prompt)
+    logits, state, _ = ref(ids, torch.ones(1, n, dtype=torch.long), torch.arange(n)[None])
+    matched, tie = 0, None
+    for step in range(GREEDY_TOKENS):
+        row = logits[0, -1]
+        tok = int(row.argmax())
+        if tok != ort_tokens[step]:
+            margin = float(row[tok] - row[ort_tokens[step]])
+            if margin > 2 * tol * max(1.0, float(row.abs().max())):
+                raise ValidationError(f"greedy generation differs from PyTorch at token {step + 1} of "
+                                      f"{GREEDY_TOKENS} (PyTorch {tok}, onnxruntime {ort_tokens[step]}, "
+                                      f"logit margin {margin:.3g})")
+            tie = {"step": step + 1, "logit_margin": margin}
+            break
+        matched += 1
+        if step + 1 < GREEDY_TOKENS:
+            n += 1
+            logits, state, _ = ref(torch.tensor([[tok]]), torch.ones(1, n, dtype=torch.long),
+                                   torch.tensor([[n - 1]]), state)
+    return {"tokens": GREEDY_TOKENS, "matched": matched, "parted_at_near_tie": tie, "prompt_tokens": len(prompt)}
+
+
+def _line(e: Exception) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:300]

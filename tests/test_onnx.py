@@ -1,0 +1,548 @@
+"""ONNX packages: functional decoder == transformers, export + validation, serving, CLI, genai.
+
+Models are tiny and random. Most use a wide initialisation ("lively"): with transformers'
+default 0.02 a tiny random decoder repeats its last token forever, which would make greedy
+parity trivially true.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from exporters import onnx as onnx_export
+from exporters.decoder import Decoder, layer_shapes
+from exporters.onnx_check import ValidationError, validate
+from serve import launch, loadgen
+from serve.ort_server import Engine, OrtDecoder, Request, Sampling
+from tests.conftest import FAMILIES, tiny_config
+
+
+def lively(family: str, vocab_size: int = 512, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config(family, vocab_size)
+    cfg.initializer_range = 0.3
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _rows(units, d):
+    return torch.cat([torch.arange(u * d, (u + 1) * d) for u in units])
+
+
+def _sliced(lin: nn.Linear, rows=None, cols=None) -> nn.Linear:
+    w = lin.weight.data
+    w = w[rows] if rows is not None else w
+    w = w[:, cols] if cols is not None else w
+    new = nn.Linear(w.shape[1], w.shape[0], bias=lin.bias is not None)
+    new.weight.data = w.clone()
+    if lin.bias is not None:
+        new.bias.data = (lin.bias.data[rows] if rows is not None else lin.bias.data).clone()
+    return new
+
+
+def per_layer_model(family: str, layout: list[tuple[int, int, int]], **kw):
+    """A model whose layers keep different (heads, KV heads, MLP channels), config left global.
+
+    This is what a per-layer method leaves in memory: each layer's Linear shapes differ while
+    config.num_attention_heads stays the dense value; each attention module gets its own group size.
+    """
+    model = lively(family, **kw)
+    d, group = model.config.head_dim, model.config.num_attention_heads // model.config.num_key_value_heads
+    for layer, (heads, kv, chans) in zip(model.model.layers, layout):
+        a, m = layer.self_attn, layer.mlp
+        kept_kv = list(range(kv))
+        kept_heads = [g * group + j for g in kept_kv for j in range(heads // kv)]
+        q_rows, kv_rows, ch = _rows(kept_heads, d), _rows(kept_kv, d), torch.arange(chans)
+        a.q_proj, a.k_proj, a.v_proj = _sliced(a.q_proj, q_rows), _sliced(a.k_proj, kv_rows), _sliced(a.v_proj, kv_rows)
+        a.o_proj = _sliced(a.o_proj, cols=q_rows)
+        m.gate_proj, m.up_proj, m.down_proj = _sliced(m.gate_proj, ch), _sliced(m.up_proj, ch), _sliced(m.down_proj, cols=ch)
+        a.num_key_value_groups = heads // kv
+    return model.eval()
+
+
+def _inputs(vocab, b=2, s=9, pad=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[1, :pad] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def _assert_decoder_matches(model, steps=2):
+    dec = Decoder(model).eval()
+    ids, mask, pos = _inputs(model.config.vocab_size)
+    ref = model(ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    out = dec(ids, mask, pos, *dec.empty_past(2))
+    keep = mask.bool()
+    assert (ref.logits[keep] - out[0][keep]).abs().max() < 1e-4
+    cache, presents = ref.past_key_values, list(out[1:])
+    for _ in range(steps):
+        for i, layer in enumerate(cache.layers):
+            # a sliding-window cache keeps only its window; padded positions hold garbage in both
+            n = layer.keys.shape[2]
+            real = mask[:, None, -n:, None].bool()
+            for r, ours in ((layer.keys, presents[2 * i]), (layer.values, presents[2 * i + 1])):
+                assert ((r - ours[:, :, -n:]) * real).abs().max() < 1e-4
+        nxt = torch.randint(0, model.config.vocab_size, (2, 1))
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+        pos = pos[:, -1:] + 1
+        ref = model(nxt, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = dec(nxt, mask, pos, *presents)
+        assert (ref.logits - out[0]).abs().max() < 1e-4
+        cache, presents = ref.past_key_values, list(out[1:])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_functional_decoder_matches_transformers(family):
+    _assert_decoder_matches(lively(family))
+
+
+def test_sliding_window_matches_transformers():
+    # 9 prompt tokens + 2 steps against a 5-token window: the window and the mask both matter
+    _assert_decoder_matches(lively("mistral", sliding_window=5))
+
+
+def test_tied_head_is_stored_once(tmp_path):
+    import onnx
+    model = lively("llama")
+    info = onnx_export.export_decoder(model, tmp_path / "m.onnx")
+    proto = onnx.load(tmp_path / "m.onnx")
+    stored = sum(int(np.prod(t.dims)) for t in proto.graph.initializer)
+    params = sum(p.numel() for p in model.parameters())  # the tied table counted once
+    assert info["tied_embeddings"] and params <= stored <= params + 64
+
+
+def test_unsupported_rope_is_refused(tmp_path):
+    from optimizer.errors import UserError
+    model = lively("llama")
+    model.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(UserError, match="default RoPE only"):
+        onnx_export.export_decoder(model, tmp_path / "m.onnx")
+
+
+# --------------------------------------------------------------------------------------------
+# export + validation
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_export_validates(family, dtype, tmp_path):
+    model = lively(family)
+    info = onnx_export.export_decoder(model, tmp_path / "model.onnx", dtype=dtype)
+    assert info["dtype"] == dtype and not info["external_data"] and info["uniform"]
+    checks = validate(model, tmp_path / "model.onnx", dtype=dtype)
+    assert checks["reference"] == "transformers"
+    assert checks["greedy"]["matched"] == 32 or checks["greedy"]["parted_at_near_tie"]
+    dec = OrtDecoder(tmp_path / "model.onnx")
+    assert dec.kv_dtype == (np.float16 if dtype == "float16" else np.float32)
+    names = [i.name for i in dec.session.get_inputs()]
+    assert names[:5] == ["input_ids", "attention_mask", "position_ids", "past_key_values.0.key",
+                         "past_key_values.0.value"]
+    assert dec.output_names[:3] == ["logits", "present.0.key", "present.0.value"]
+    axes = [d for d in dec.session.get_inputs()[3].shape]
+    assert axes == ["batch_size", 2, "past_sequence_length", 8]
+
+
+def test_qwen2_saved_as_llama_with_attention_bias(tmp_path):
+    # surgery saves a Qwen2 that lost query heads as LlamaForCausalLM with q/k/v/o biases
+    model = lively("llama", attention_bias=True)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.bias.normal_(0, 0.5)
+    _assert_decoder_matches(model)
+    onnx_export.export_decoder(model, tmp_path / "model.onnx")
+    assert validate(model, tmp_path / "model.onnx")["greedy"]["matched"] == 32
+
+
+def test_fp16_halves_the_file(tmp_path):
+    model = lively("llama")
+    a = onnx_export.export_decoder(model, tmp_path / "a.onnx", dtype="float32")
+    b = onnx_export.export_decoder(model, tmp_path / "b.onnx", dtype="float16")
+    assert 0.45 < b["bytes"] / a["bytes"] < 0.6
+
+
+@pytest.mark.parametrize("layout", [[(4, 2, 40), (8, 2, 96)], [(2, 1, 40), (8, 2, 96)]])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_per_layer_shapes_export(family, layout, tmp_path):
+    model = per_layer_model(family, layout)
+    _assert_decoder_matches(model)
+    assert [(s.num_heads, s.num_kv_heads, s.intermediate_size) for s in layer_shapes(model)] == layout
+    info = onnx_export.export_decoder(model, tmp_path / "model.onnx")
+    assert not info["uniform"]
+    checks = validate(model, tmp_path / "model.onnx")
+    assert checks["reference"] == "transformers" and checks["greedy"]["matched"] == 32
+    dec = OrtDecoder(tmp_path / "model.onnx")
+    assert dec.kv_shapes == [(kv, 8) for _, kv, _ in layout for _ in range(2)]
+
+
+def test_per_layer_model_without_group_sizes_is_checked_against_the_functional_decoder(tmp_path):
+    model = per_layer_model("llama", [(2, 1, 40), (8, 2, 96)])
+    for layer in model.model.layers:
+        layer.self_attn.num_key_value_groups = 4  # the config's value: transformers' forward fails
+    onnx_export.export_decoder(model, tmp_path / "model.onnx")
+    checks = validate(model, tmp_path / "model.onnx")
+    assert checks["reference"].startswith("functional decoder (transformers forward fails")
+
+
+def test_external_data_forced(tmp_path):
+    model = lively("qwen3")
+    info = onnx_export.export_decoder(model, tmp_path / "model.onnx", external_data=True)
+    assert info["external_data"] and info["files"] == ["model.onnx", "model.onnx.data"]
+    assert (tmp_path / "model.onnx").stat().st_size < 100_000 < (tmp_path / "model.onnx.data").stat().st_size
+    assert validate(model, tmp_path / "model.onnx")["greedy"]["matched"] == 32
+
+
+def _package(tmp_path: Path, model, tokenizer, name="pkg", **kw) -> Path:
+    from exporters.vllm import prepare_output
+    out = tmp_path / name
+    tmp = prepare_output(out)
+    manifest = {"schema": launch.SCHEMA, "format": "onnx", "target": {"kind": "cpu"},
+                "engine": onnx_export.engine_section("cpu", 256, name), "checks": {}, "size": {"ideal_ratio": 1.0}}
+    onnx_export.write_package(tmp, out, model, tokenizer, manifest, f"# {name}\n\n## Serving\n\nvLLM text\n", **kw)
+    return out
+
+
+def test_package_with_external_data_and_fp16(tmp_path, tokenizer):
+    out = _package(tmp_path, lively("llama", vocab_size=len(tokenizer)), tokenizer, dtype="float16",
+                   external_data=True)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["engine"]["dtype"] == "float16" and m["engine"]["external_data"]
+    assert m["onnx"]["files"] == ["model.onnx", "model.onnx.data"] and (out / "model.onnx.data").is_file()
+    assert m["checks"]["onnx"]["greedy"]["tokens"] == 32 and m["checks"]["onnx"]["export_s"] >= 0
+    report = (out / "report.md").read_text()
+    assert "## Serving (ONNX)" in report and "vLLM text" not in report
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def _break_rope(path: Path) -> None:
+    import onnx
+    from onnx import numpy_helper
+    proto = onnx.load(path)
+    for t in proto.graph.initializer:
+        if t.name == "inv_freq":
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * 1.5, "inv_freq"))
+    onnx.save(proto, path)
+
+
+def test_validation_catches_a_broken_graph(tmp_path):
+    model = lively("llama")
+    onnx_export.export_decoder(model, tmp_path / "model.onnx")
+    _break_rope(tmp_path / "model.onnx")
+    with pytest.raises(ValidationError, match=r"^prefill: logits differ from PyTorch by up to [0-9.e-]+ \(tolerance"):
+        validate(model, tmp_path / "model.onnx")
+
+
+def test_validation_catches_wrong_names(tmp_path):
+    import onnx
+    model = lively("llama")
+    onnx_export.export_decoder(model, tmp_path / "model.onnx")
+    proto = onnx.load(tmp_path / "model.onnx")
+    proto.graph.output[0].name = "scores"
+    for node in proto.graph.node:
+        node.output[:] = ["scores" if o == "logits" else o for o in node.output]
+    onnx.save(proto, tmp_path / "model.onnx")
+    with pytest.raises(ValidationError, match="graph names differ"):
+        validate(model, tmp_path / "model.onnx")
+
+
+def test_a_failed_validation_writes_no_package(tmp_path, tokenizer, monkeypatch):
+    real_export = onnx_export.export_decoder
+
+    def broken(model, path, **kw):
+        info = real_export(model, path, **kw)
+        _break_rope(path)
+        return info
+    monkeypatch.setattr(onnx_export, "export_decoder", broken)
+    with pytest.raises(RuntimeError, match="ONNX validation failed, no package written: prefill: logits differ"):
+        _package(tmp_path, lively("llama", vocab_size=len(tokenizer)), tokenizer)
+    # the pipeline removes its temporary directory on failure; write_package never renamed it
+    assert not (tmp_path / "pkg").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# the generation engine and the server
+
+
+@pytest.fixture(scope="module")
+def lively_package(tmp_path_factory, tokenizer):
+    model = lively("llama", vocab_size=len(tokenizer))
+    return _package(tmp_path_factory.mktemp("lively"), model, tokenizer, name="lively"), model
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _collect(req: Request) -> tuple[list[int], str]:
+    tokens = []
+    while True:
+        kind, value = req.out.get(timeout=60)
+        if kind == "token":
+            tokens.append(value)
+        else:
+            assert kind == "done", value
+            return tokens, value
+
+
+def test_engine_batches_requests_like_single_runs(lively_package):
+    pkg, model = lively_package
+    dec = OrtDecoder(pkg / "model.onnx", threads=1)
+    engine = Engine(dec, eos_ids=set(), max_batch=4)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(100, 40000, n).tolist() for n in (5, 11, 3, 8)]
+    lengths = [12, 6, 16, 9]  # rows leave the batch at different steps
+    reqs = [engine.submit(Request(p, n, Sampling(0.0))) for p, n in zip(prompts, lengths)]
+    for p, n, r in zip(prompts, lengths, reqs):
+        tokens, reason = _collect(r)
+        assert reason == "length" and tokens == _hf_greedy(model, p, n)
+
+
+def test_engine_min_tokens_and_ignore_eos(lively_package):
+    pkg, model = lively_package
+    prompt = [300, 4000, 50]
+    first = _hf_greedy(model, prompt, 1)[0]
+    engine = Engine(OrtDecoder(pkg / "model.onnx", threads=1), eos_ids={first})
+    tokens, reason = _collect(engine.submit(Request(prompt, 5, Sampling(0.0))))
+    assert tokens == [first] and reason == "stop"
+    tokens, reason = _collect(engine.submit(Request(prompt, 5, Sampling(0.0), min_tokens=3)))
+    assert first not in tokens[:3] and reason in ("stop", "length")
+    tokens, reason = _collect(engine.submit(Request(prompt, 5, Sampling(0.0), ignore_eos=True)))
+    assert tokens[0] == first and len(tokens) == 5 and reason == "length"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(base: str, body: dict) -> tuple[int, dict | list[str]]:
+    import http.client
+    conn = http.client.HTTPConnection(base.split("//")[1], timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read().decode()
+    conn.close()
+    if body.get("stream") and resp.status == 200:
+        return resp.status, [line[6:] for line in data.splitlines() if line.startswith("data: ")]
+    return resp.status, json.loads(data)
+
+
+@pytest.fixture(scope="module")
+def server(lively_package, tmp_path_factory):
+    """The package's own Dockerfile ENTRYPOINT, run outside a container (no Docker engine here)."""
+    pkg, model = lively_package
+    entry = [line.split(" ", 1)[1] for line in (pkg / "Dockerfile").read_text().splitlines()
+             if line.startswith("ENTRYPOINT ")][0]
+    cmd = [sys.executable if a == "python3" else a.replace("/package", str(pkg)) for a in json.loads(entry)]
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    log = tmp_path_factory.mktemp("ort") / "server.log"
+    with launch.running(cmd + ["--host", "127.0.0.1", "--port", str(port), "--threads", "1"], env, base, log,
+                        timeout_s=120):
+        yield base, pkg, model
+
+
+def test_server_answers_like_transformers(server, tokenizer):
+    base, pkg, model = server
+    prompt = "The capital of France is"
+    ids = tokenizer(prompt)["input_ids"]
+    want = tokenizer.decode(_hf_greedy(model, ids, 12), skip_special_tokens=True)
+    body = {"model": "lively", "prompt": prompt, "max_tokens": 12, "min_tokens": 12, "ignore_eos": True,
+            "temperature": 0}
+    status, whole = _post(base, body)
+    assert status == 200 and whole["choices"][0]["text"] == want
+    assert whole["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12, "total_tokens": len(ids) + 12}
+    status, events = _post(base, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert loadgen.complete(base, "lively", prompt, max_tokens=4) == \
+        tokenizer.decode(_hf_greedy(model, ids, 4), skip_special_tokens=True)
+
+
+def test_server_sampling_token_ids_and_errors(server):
+    base, _, _ = server
+    body = {"prompt": [101, 2020, 3030], "max_tokens": 8, "temperature": 0.9, "top_p": 0.9, "seed": 7}
+    a, b = _post(base, body)[1], _post(base, body)[1]
+    assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"]["completion_tokens"] == 8
+    assert _post(base, {"prompt": [1, 2], "n": 2})[0] == 400
+    assert _post(base, {"prompt": "x", "model": "other"})[0] == 404
+    assert _post(base, {"prompt": "x", "max_tokens": 10_000})[0] == 400
+    assert _post(base, {"prompt": [10 ** 9]})[0] == 400
+
+
+def test_server_under_the_load_generator(server):
+    base, _, _ = server
+    res = loadgen.run_load(base, "lively", loadgen.LoadSpec(concurrency=3, num_requests=6, prompt_tokens=16,
+                                                           output_tokens=8), vocab_size=49152)
+    assert res["completed"] == 6 and res["failed"] == 0, res["errors"]
+    assert res["output_tokens_per_s"] > 0 and res["ttft_ms"]["p50"] <= res["e2e_ms"]["p50"]
+
+
+def test_launch_sh_runs_the_server_copy(lively_package):
+    pkg, _ = lively_package
+    out = subprocess.run(["sh", str(pkg / "launch.sh"), "--port", "1"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHON": "echo"}, check=True).stdout.split()
+    assert out == [str(pkg.resolve() / "ort_server.py"), str(pkg.resolve()), "--served-model-name", "lively",
+                   "--port", "1"]
+    source = (pkg / "ort_server.py").read_text()
+    assert source == Path(onnx_export.SERVER_FILE).read_text()
+    # the copy serves without this project: standard library + numpy, onnxruntime, tokenizers
+    import ast
+    tree = ast.parse(source)
+    mods = {n.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for n in node.names} | \
+        {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert mods - set(sys.stdlib_module_names) == {"numpy", "onnxruntime", "tokenizers"}
+
+
+def test_genai_runs_the_package(lively_package):
+    og = pytest.importorskip("onnxruntime_genai")
+    pkg, model = lively_package
+    prompt = [120, 4400, 310, 77]
+    genai = og.Model(str(pkg))
+    params = og.GeneratorParams(genai)
+    params.set_search_options(max_length=len(prompt) + 12, do_sample=False)
+    gen = og.Generator(genai, params)
+    gen.append_tokens(prompt)
+    while not gen.is_done():
+        gen.generate_next_token()
+    got = [int(t) for t in gen.get_sequence(0)][len(prompt):]
+    want = _hf_greedy(model, prompt, 12)
+    assert got == want[:len(got)] and len(got) >= 6  # genai stops at EOS; the rest must agree
+
+
+def test_per_layer_package_has_no_genai_config(tmp_path, tokenizer):
+    out = _package(tmp_path, per_layer_model("llama", [(4, 2, 40), (8, 2, 96)], vocab_size=len(tokenizer)),
+                   tokenizer)
+    m = json.loads((out / "manifest.json").read_text())
+    assert not (out / "genai_config.json").exists()
+    assert "one global num_key_value_heads" in m["engine"]["onnxruntime_genai"]["unsupported"]
+    assert [(x["num_heads"], x["num_kv_heads"], x["intermediate_size"]) for x in m["onnx"]["layers"]] == \
+        [(4, 2, 40), (8, 2, 96)]
+
+
+# --------------------------------------------------------------------------------------------
+# through the CLI: optimize --format onnx, serve, bench
+
+
+def _optimize(tiny_dir, text_file, out, retain):
+    from optimizer.cli import optimize
+    args = [tiny_dir, "--target", "cpu", "--method", "activation", "--retain", retain, "--calib", text_file,
+            "--eval", text_file, "--seq-len", "64", "--calib-windows", "2", "--eval-windows", "1",
+            "--format", "onnx", "-o", out]
+    return CliRunner().invoke(optimize, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def cli_packages(tiny_dirs, text_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    for name, retain in (("pruned", 0.6), ("dense", 1.0)):
+        r = _optimize(tiny_dirs["qwen2"], text_file, root / name, retain)
+        assert r.exit_code == 0, r.output
+    return root / "pruned", root / "dense"
+
+
+def test_optimize_format_onnx_through_the_cli(cli_packages):
+    from serve.cli import serve
+    pkg, _ = cli_packages
+    for f in ("model.onnx", "config.json", "tokenizer.json", "manifest.json", "report.md", "launch.sh", "Dockerfile",
+              "ort_server.py", "genai_config.json"):
+        assert (pkg / f).is_file(), f
+    m = json.loads((pkg / "manifest.json").read_text())
+    assert m["format"] == "onnx" and m["engine"]["name"] == "onnxruntime"
+    assert m["checks"]["onnx"]["greedy"]["tokens"] == 32 and m["checks"]["onnx"]["prefill"]["logits_max_abs_diff"] < 1e-3
+    assert m["size"]["params_pruned"] < m["size"]["params_dense"]
+    r = CliRunner().invoke(serve, [str(pkg), "--print-command", "--port", "9999"])
+    assert r.exit_code == 0
+    cmd = shlex.split(r.output)
+    assert cmd[1:4] == ["-m", "serve.ort_server", str(pkg.resolve())]
+    assert cmd[-4:] == ["--host", "127.0.0.1", "--port", "9999"]
+    r = CliRunner().invoke(serve, [str(pkg), "-tp", "2"])
+    assert r.exit_code == 2 and "vLLM tensor parallelism" in r.output
+
+
+def test_vllm_packages_keep_their_command():
+    manifest = {"format": "vllm", "engine": {"served_model_name": "p", "args": ["--dtype", "bfloat16"]}}
+    assert launch.package_command("/x/p", manifest, "h", 1, ["--enforce-eager"]) == \
+        launch.server_command(str(Path("/x/p").resolve()), "p", ["--dtype", "bfloat16"]) + \
+        ["--host", "h", "--port", "1", "--enforce-eager"]
+    del manifest["format"]  # packages written before the format entry existed
+    assert launch.package_command("/x/p", manifest, "h", 1)[1:3] == ["-m", launch.SERVER_MODULE]
+
+
+def test_bench_needs_an_onnx_baseline(cli_packages, tiny_dirs):
+    from serve.cli import bench
+    pkg, _ = cli_packages
+    r = CliRunner().invoke(bench, [str(pkg), "--baseline", str(tiny_dirs["qwen2"])])
+    assert r.exit_code == 2 and "ONNX baseline" in r.output
+
+
+def test_bench_onnx_package_against_onnx_baseline(cli_packages, tmp_path):
+    from serve.cli import bench
+    pkg, dense = cli_packages
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(bench, [str(pkg), "--baseline", str(dense), "--concurrency", "1,2", "--requests", "2",
+                                   "--rounds", "1", "--prompt-tokens", "16", "--output-tokens", "4",
+                                   "--port", str(_free_port()), "--out", str(out), "--vllm-args", "--threads 1"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    result = json.loads((out / "bench.json").read_text())
+    assert result["meta"]["engine"].startswith("onnxruntime ")
+    assert all(result["summary"]["ratios"]["pruned"][c]["tokens_per_s"] > 0 for c in ("1", "2"))
+
+
+# --------------------------------------------------------------------------------------------
+# the real model
+
+
+@pytest.mark.real_model
+def test_real_model_onnx_package(real_model_dir, tmp_path):
+    from optimizer.pipeline import OptimizeConfig, optimize
+    out = tmp_path / "smollm2-onnx-r0.50"
+    res = optimize(OptimizeConfig(target="cpu", method="activation", retain=0.5, out=str(out), calib_windows=2,
+                                  eval_windows=1, seq_len=512, format="onnx", threads=1, log=lambda *_: None))
+    checks = res["manifest"]["checks"]["onnx"]
+    assert checks["reference"] == "transformers"
+    assert checks["prefill"]["logits_max_abs_diff"] < 1e-3 * checks["prefill"]["logits_max_abs"]
+    assert checks["greedy"]["matched"] == 32 or checks["greedy"]["parted_at_near_tie"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["checks"]["onnx"]["export_s"] > 0 and m["onnx"]["bytes"] < 0.8 * 4 * m["size"]["params_dense"]
+    og = pytest.importorskip("onnxruntime_genai")
+    model = og.Model(str(out))
+    tok = og.Tokenizer(model)
+    params = og.GeneratorParams(model)
+    prompt = list(tok.encode("The capital of France is"))
+    params.set_search_options(max_length=len(prompt) + 8, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(prompt)
+    while not gen.is_done():
+        gen.generate_next_token()
+    got = [int(t) for t in gen.get_sequence(0)][len(prompt):]
+    want, _ = OrtDecoder(out / "model.onnx", threads=1).greedy(prompt, len(got))
+    assert got and got == want
