@@ -61,7 +61,8 @@ def main() -> None:
         pkg = ROOT / "out" / "spine" / f"smollm2-{args.target}-r{retain:.2f}"  # weights stay out of git
         shutil.rmtree(pkg, ignore_errors=True)
         t0 = time.time()
-        res = optimize(OptimizeConfig(target=args.target, retain=retain, calib=str(calib), eval=str(test),
+        res = optimize(OptimizeConfig(target=args.target, method="activation", retain=retain,
+                                      calib=str(calib), eval=str(test),
                                       out=str(pkg), calib_windows=16,
                                       eval_windows=None if args.eval_windows == "all" else int(args.eval_windows),
                                       seq_len=2048, threads=args.threads))

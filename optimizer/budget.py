@@ -17,19 +17,28 @@ def channel_multiple(intermediate_size: int) -> int:
     return 64 if intermediate_size >= 1024 else 8 if intermediate_size >= 64 else 1
 
 
-def uniform_candidates(adapter: DecoderAdapter, config, retain: float, limit: int = 6) -> list[BlockShape]:
+def block_cost(costs: tuple, shape: BlockShape) -> float:
+    """Cost of a block from unit costs (head, kv, channel, fixed): parameters or seconds."""
+    head, kv, channel, fixed = costs
+    return fixed + shape.num_heads * head + shape.num_kv_heads * kv + shape.intermediate_size * channel
+
+
+def uniform_candidates(adapter: DecoderAdapter, config, retain: float, limit: int = 6,
+                       costs: tuple | None = None) -> list[BlockShape]:
+    """Regular shapes keeping at most `retain` of the block cost (parameters by default)."""
+    costs = costs or adapter.unit_params(config)
     dense = adapter.dense_shape(config)
     if retain >= 1.0:
         return [dense]
-    budget = retain * adapter.block_params(config, dense)
+    budget = retain * block_cost(costs, dense)
     mult = channel_multiple(dense.intermediate_size)
     group = dense.num_heads // dense.num_kv_heads
     scored = []
     for kv in range(1, dense.num_kv_heads + 1):
         for per_group in range(1, group + 1):
             heads = kv * per_group
-            base = adapter.block_params(config, BlockShape(heads, kv, mult))
-            per_channel = adapter.block_params(config, BlockShape(heads, kv, 2 * mult)) - base
+            base = block_cost(costs, BlockShape(heads, kv, mult))
+            per_channel = block_cost(costs, BlockShape(heads, kv, 2 * mult)) - base
             extra = int((budget - base) // per_channel) if budget >= base else -1
             width = min(mult * (1 + extra), dense.intermediate_size) if extra >= 0 else 0
             if width < max(mult, dense.intermediate_size // 16):
@@ -42,5 +51,6 @@ def uniform_candidates(adapter: DecoderAdapter, config, retain: float, limit: in
     return [s for _, _, s in sorted(scored, key=lambda t: (t[0], t[1]))[:limit]]
 
 
-def retention(adapter: DecoderAdapter, config, shape: BlockShape) -> float:
-    return adapter.block_params(config, shape) / adapter.block_params(config, adapter.dense_shape(config))
+def retention(adapter: DecoderAdapter, config, shape: BlockShape, costs: tuple | None = None) -> float:
+    costs = costs or adapter.unit_params(config)
+    return block_cost(costs, shape) / block_cost(costs, adapter.dense_shape(config))

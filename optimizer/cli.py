@@ -28,7 +28,8 @@ def one_line_errors(fn):
 @click.argument("model", required=False)
 @click.option("--target", "-t", default="auto", show_default=True,
               help="Deployment target from `profiles` (a100, h100, l4, cpu, ...) or 'auto' to detect.")
-@click.option("--method", default="auto", show_default=True, help="auto | structured")
+@click.option("--method", default="auto", show_default=True,
+              help="auto | structured | ddp (learned gates) | activation (one-shot baseline)")
 @click.option("--retain", default=0.7, show_default=True, type=float,
               help="Fraction of the transformer blocks' parameters kept, in (0, 1].")
 @click.option("--calib", type=click.Path(), help="Calibration text file (default: built-in corpus).")
@@ -43,9 +44,14 @@ def one_line_errors(fn):
 @click.option("--seq-len", default=2048, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", type=int, help="torch CPU threads (default: torch's choice).")
+@click.option("--budget", default="params", show_default=True, type=click.Choice(["params", "latency"]),
+              help="What --retain counts: parameters, or the target's predicted latency.")
+@click.option("--layout", default="uniform", show_default=True, help="uniform: same shape every layer.")
+@click.option("--steps", default=200, show_default=True, help="DDP gate-training steps.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted DDP run from its checkpoint.")
 @one_line_errors
 def optimize(model, target, method, retain, calib, eval_, out, fmt, dry_run, engine_version, calib_windows,
-             eval_windows, seq_len, seed, threads):
+             eval_windows, seq_len, seed, threads, budget, layout, steps, resume):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
@@ -57,7 +63,7 @@ def optimize(model, target, method, retain, calib, eval_, out, fmt, dry_run, eng
     run(OptimizeConfig(model=model, target=target, method=method, retain=retain, calib=calib, eval=eval_,
                        out=out, format=fmt, dry_run=dry_run, engine_version=engine_version, calib_windows=calib_windows,
                        eval_windows=None if eval_windows == "all" else int(eval_windows), seq_len=seq_len,
-                       seed=seed, threads=threads))
+                       seed=seed, threads=threads, budget=budget, layout=layout, ddp_steps=steps, resume=resume))
 
 
 @click.command()

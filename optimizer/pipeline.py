@@ -24,6 +24,7 @@ from optimizer import budget, data, evaluate, load, plan as planner, profiles, r
 from optimizer.adapters import get_adapter
 from optimizer.errors import UserError
 from optimizer.methods.activation import ActivationImportance
+from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts, peak_rss_gib
 from optimizer.surgery import masked, prune
 
 TOOL_VERSION = "0.1.0"
@@ -58,6 +59,13 @@ class OptimizeConfig:
     max_model_len: int = 2048
     seed: int = 0
     threads: int | None = None
+    budget: str = "params"            # what --retain counts: params | latency (on the target)
+    layout: str = "uniform"           # uniform (plain config)
+    ddp_steps: int = 200
+    ddp_batch: int = 4
+    ddp_seq_len: int = 256
+    resume: bool = False
+    checkpoint_every: int = 25
     log: callable = field(default=print, repr=False)
 
 
@@ -66,6 +74,12 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError(f"unknown --format '{cfg.format}'; choose from: {', '.join(EXPORTERS)}")
     if not 0 < cfg.retain <= 1:
         raise UserError(f"--retain must be in (0, 1], got {cfg.retain}")
+    if cfg.budget not in ("params", "latency"):
+        raise UserError(f"--budget must be 'params' or 'latency', got '{cfg.budget}'")
+    if cfg.layout != "uniform":
+        raise UserError(f"--layout {cfg.layout}: only 'uniform' is available in this build")
+    if cfg.ddp_steps < 1 or cfg.ddp_batch < 1:
+        raise UserError("--steps and the DDP batch must be >= 1")
     if cfg.seq_len < 16 or cfg.calib_windows < 1 or (cfg.eval_windows is not None and cfg.eval_windows < 1):
         raise UserError("--seq-len must be >= 16 and window counts >= 1")
     for path, what in ((cfg.calib, "calibration file"), (cfg.eval, "evaluation file")):
@@ -124,30 +138,35 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
 
     calib_text = data.read_text_file(cfg.calib, "calibration file") if cfg.calib else data.builtin_text("calib")
     if calib_text is None:
-        calib_text = data.self_generated_text(model, tok, cfg.calib_windows * cfg.seq_len + cfg.seq_len, cfg.seed)
-    calib = data.token_windows(tok, calib_text.text, cfg.seq_len, cfg.calib_windows + 1)
+        calib_text = data.self_generated_text(model, tok, (cfg.calib_windows + 1) * cfg.seq_len, cfg.seed)
+    windows = data.token_windows(tok, calib_text.text, cfg.seq_len)
     # The last window is held out to choose between candidate shapes.
-    calib, held_out = (calib[:-1], calib[-1:]) if len(calib) > 1 else (calib, calib)
-    log(f"calibration: {calib_text.description}, {calib.numel()} tokens")
+    train, held_out = (windows[:-1], windows[-1:]) if len(windows) > 1 else (windows, windows)
+    log(f"calibration: {calib_text.description}, {train.numel()} tokens available")
 
-    importance = ActivationImportance(model, adapter)
-    for w in tqdm(calib, desc="calibrating", unit="win"):
-        importance.add_batch(model, w[None])
-    importance.remove_hooks()
+    costs = (adapter.unit_params(config) if cfg.budget == "params"
+             else planner.unit_latency_costs(target, adapter, config))
+    if plan.method == "activation":
+        decide, detail = _observe_activation(cfg, model, adapter, train)
+    else:
+        decide, detail = _observe_ddp(cfg, model, adapter, train, costs, source, calib_text)
+    detail["calibration"] = {"source": calib_text.description, "tokens": detail.pop("tokens")}
 
-    candidates = budget.uniform_candidates(adapter, config, cfg.retain)
+    candidates = budget.uniform_candidates(adapter, config, cfg.retain, costs=costs)
+    if not candidates:
+        raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
     tried = []
     for shape in tqdm(candidates, desc="choosing shape", unit="shape"):
-        masks = importance.decide(shape)
-        with masked(model, adapter, masks):
+        with masked(model, adapter, decide(shape)):
             loss = _loss(model, held_out)
         tried.append({"shape": shape.__dict__, "retain": budget.retention(adapter, config, shape),
-                      "held_out_loss": loss})
+                      "retain_budget": budget.retention(adapter, config, shape, costs), "held_out_loss": loss})
     best = min(range(len(candidates)), key=lambda i: tried[i]["held_out_loss"])
-    shape, masks = candidates[best], importance.decide(candidates[best])
+    shape, masks = candidates[best], decide(candidates[best])
     log(f"shape: {shape.num_heads} heads / {shape.num_kv_heads} KV heads / {shape.intermediate_size} channels "
         f"per block (dense {adapter.dense_shape(config).__dict__}), "
-        f"retention {tried[best]['retain']:.3f} of block parameters")
+        f"retention {tried[best]['retain']:.3f} of block parameters"
+        + (f", {tried[best]['retain_budget']:.3f} of predicted latency" if cfg.budget == "latency" else ""))
 
     pruned = prune(model, adapter, masks)
     with torch.inference_mode(), masked(model, adapter, masks):
@@ -181,12 +200,11 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
                    "architecture": (config.architectures or ["?"])[0], "family": adapter.family},
         "target": {"name": target.name, "display_name": target.display_name, "kind": target.kind,
                    "compute_capability": target.compute_capability},
-        "method": {"name": "activation", "plan": plan.method, "layout": "uniform",
+        "method": {"name": plan.method, "plan": plan.method, "layout": cfg.layout, "budget": cfg.budget,
                    "retain_requested": cfg.retain, "retain_achieved": tried[best]["retain"],
+                   "retain_budget_achieved": tried[best]["retain_budget"],
                    "dense_shape": adapter.dense_shape(config).__dict__, "shape": shape.__dict__,
-                   "candidates": tried, "seed": cfg.seed,
-                   "calibration": {"source": calib_text.description, "windows": len(calib),
-                                   "seq_len": cfg.seq_len, "tokens": calib.numel()}},
+                   "candidates": tried, "seed": cfg.seed, **detail},
         "quality": {"perplexity": quality} if quality else {},
         "size": {"params_dense": dense_params, "params_pruned": pruned_params,
                  "block_params_dense": config.num_hidden_layers * adapter.block_params(config, adapter.dense_shape(config)),
@@ -202,6 +220,63 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
     _exporter(cfg.format).write_package(tmp, out, pruned, tok, manifest, report.render(manifest))
     log(f"package: {out.resolve()}  (serve it: serve {out})")
     return {"plan": plan, "manifest": manifest, "out": out}
+
+
+def _observe_activation(cfg, model, adapter, train: torch.Tensor):
+    importance = ActivationImportance(model, adapter)
+    stats = train[: cfg.calib_windows]
+    for w in tqdm(stats, desc="calibrating", unit="win"):
+        importance.add_batch(model, w[None])
+    importance.remove_hooks()
+    return importance.decide, {"tokens": stats.numel()}
+
+
+def _observe_ddp(cfg, model, adapter, train: torch.Tensor, costs, source, calib_text):
+    ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=cfg.ddp_batch, seed=cfg.seed)
+    ddp = DDP(model, adapter, ddp_cfg, UnitCosts(*costs))
+    seq = cfg.ddp_seq_len if cfg.seq_len % cfg.ddp_seq_len == 0 else cfg.seq_len
+    chunks = train.reshape(-1, seq)
+    key = hashlib.sha256(json.dumps([str(source.hf_dir), calib_text.description, cfg.seq_len, cfg.budget,
+                                     list(costs), vars(ddp_cfg)], default=str).encode()).hexdigest()[:16]
+    ckpt = load.cache_dir() / "runs" / f"ddp-{key}.pt"
+    resumed = cfg.resume and ddp.load(ckpt)
+    if cfg.resume and not resumed:
+        cfg.log(f"--resume: no checkpoint of this exact run at {ckpt}; starting from step 0")
+    start_step = ddp.step_count
+    started = time.time()
+    bar = tqdm(total=ddp_cfg.steps, initial=ddp.step_count, desc="DDP gates", unit="step")
+    stats = {}
+    while ddp.step_count < ddp_cfg.steps:
+        stats = ddp.step(chunks[_batch_indices(len(chunks), ddp_cfg.batch, ddp.step_count, cfg.seed)])
+        bar.set_postfix(kd=f"{stats['kd']:.3f}", retain=f"{stats['retain']:.3f}", lam=f"{stats['lambda']:.2f}")
+        bar.update(1)
+        if ddp.step_count % cfg.checkpoint_every == 0 or ddp.step_count == ddp_cfg.steps:
+            ddp.save(ckpt)
+    bar.close()
+    ddp.remove_hooks()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    detail = {"tokens": ddp_cfg.steps * ddp_cfg.batch * seq,
+              "ddp": {**vars(ddp_cfg), "seq_len": seq, "wall_s": round(time.time() - started, 1),
+                      "resumed_from_step": start_step, "final": stats,
+                      "peak_rss_gib": round(peak_rss_gib(), 2), "checkpoint": str(ckpt),
+                      "positive_gates": _positive_gates(ddp)}}
+    return ddp.masks, detail
+
+
+def _positive_gates(ddp) -> dict:
+    heads, chans = ddp.unit_values()
+    return {"heads": sum(int((h > 0).sum()) for h in heads), "channels": sum(int((c > 0).sum()) for c in chans)}
+
+
+def _batch_indices(n: int, batch: int, step: int, seed: int) -> torch.Tensor:
+    """Batch `step` of a seeded reshuffle per pass over the data: deterministic and resumable."""
+    idx = []
+    for k in range(step * batch, (step + 1) * batch):
+        epoch, pos = divmod(k, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        idx.append(int(perm[pos]))
+    return torch.tensor(idx)
 
 
 def _dense_perplexity(model, windows: torch.Tensor, source) -> float:

@@ -18,7 +18,10 @@ from optimizer.adapters import BlockShape, DecoderAdapter
 from optimizer.errors import UserError
 from optimizer.profiles import Profile
 
-METHODS = ("auto", "structured")
+# auto / structured → the planner's structured method: the one-shot activation method until
+# DDP's figures (issue 3) show it wins at an acceptable training time; ddp on request.
+METHODS = ("auto", "structured", "ddp", "activation")
+STRUCTURED = "activation"
 DEFAULT_VLLM = "0.32.0"
 
 
@@ -59,11 +62,11 @@ def choose(target: Profile, method: str, engine: str = "vllm", engine_version: s
     if method not in METHODS:
         raise UserError(f"unknown method '{method}'; choose from: {', '.join(METHODS)}")
     version = engine_version or installed_vllm_version() or DEFAULT_VLLM
-    plan = Plan(target, engine, version, "structured")
+    plan = Plan(target, engine, version, method if method in ("ddp", "activation") else STRUCTURED)
     has_kernel = target.has_sparse24_kernel(engine, version)
     plan.reasons.append(target.sparse24_reason(engine, version))
-    if method == "structured":
-        plan.reasons.append("structured pruning requested")
+    if method in ("ddp", "activation"):
+        plan.reasons.append(f"{method} requested")
     elif has_kernel:
         plan.reasons.append("2:4 would be served here, but the semi-structured methods are not in this "
                             "build yet → structured (smaller on every GPU)")
@@ -73,8 +76,28 @@ def choose(target: Profile, method: str, engine: str = "vllm", engine_version: s
     return plan
 
 
-def _model_cost(adapter: DecoderAdapter, config, shape: BlockShape) -> tuple[int, int, int]:
-    """(parameters read per token, KV values per token, attention width heads*head_dim)."""
+def unit_latency_costs(target: Profile, adapter: DecoderAdapter, config, batch: int = 16,
+                       context_tokens: int = 512, bytes_per_value: int = 2) -> tuple[float, float, float, float]:
+    """Predicted seconds per decode step that one head / KV group / channel costs on `target`.
+
+    Additive roofline terms (bytes / bandwidth + FLOPs / peak) at a serving-like operating
+    point: a KV group also streams its KV cache, a query head also does its attention math.
+    Same order as DecoderAdapter.unit_params, so DDP's budget can use either.
+    """
+    peak = target.peak_bf16_dense_tflops * 1e12
+    bw = target.memory_bandwidth_gbps * 1e9
+    head_p, kv_p, chan_p, fixed_p = adapter.unit_params(config)
+    d = adapter.head_dim(config)
+
+    def t(params, extra_bytes=0.0, extra_flops=0.0):
+        return (params * bytes_per_value + extra_bytes) / bw + (2 * batch * params + extra_flops) / peak
+    return (t(head_p, extra_flops=batch * 4 * context_tokens * d),
+            t(kv_p, extra_bytes=batch * context_tokens * 2 * d * bytes_per_value),
+            t(chan_p), t(fixed_p))
+
+
+def _model_cost(adapter: DecoderAdapter, config, shape: BlockShape) -> tuple[int, int, int, int]:
+    """(parameters read per token, KV values per token, attention width heads*head_dim, embedding)."""
     embed = config.vocab_size * config.hidden_size
     head = embed  # tied or not, the LM head matmul reads a vocab x hidden matrix
     blocks = config.num_hidden_layers * adapter.block_params(config, shape)

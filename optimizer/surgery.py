@@ -20,10 +20,16 @@ from optimizer.adapters import BlockShape, DecoderAdapter
 
 @dataclass
 class BlockMask:
-    """Indices a block keeps, ascending. Query head h belongs to KV group h // (H / KV)."""
+    """Indices a block keeps, ascending. Query head h belongs to KV group h // (H / KV).
+
+    Optional scales (one per kept head / channel) multiply the unit's output; a learned
+    gate's value lands here and surgery folds it into o_proj / down_proj columns.
+    """
     heads: list[int]
     kv_heads: list[int]
     channels: list[int]
+    head_scale: list[float] | None = None
+    channel_scale: list[float] | None = None
 
     def shape(self) -> BlockShape:
         return BlockShape(len(self.heads), len(self.kv_heads), len(self.channels))
@@ -61,10 +67,16 @@ def check_masks(adapter: DecoderAdapter, config, masks: Masks) -> None:
             raise ValueError(f"block {i}: channel index out of range")
 
 
-def _unit_mask(n: int, keep: list[int], repeat: int, like: torch.Tensor) -> torch.Tensor:
+def _unit_mask(n: int, keep: list[int], scale: list[float] | None, repeat: int, like: torch.Tensor) -> torch.Tensor:
     m = torch.zeros(n, dtype=like.dtype, device=like.device)
-    m[keep] = 1
+    m[keep] = 1 if scale is None else torch.tensor(scale, dtype=like.dtype, device=like.device)
     return m.repeat_interleave(repeat)
+
+
+def _scale(values: list[float] | None, repeat: int, like: torch.Tensor) -> torch.Tensor | float:
+    if values is None:
+        return 1.0
+    return torch.tensor(values, dtype=like.dtype).repeat_interleave(repeat)
 
 
 @contextlib.contextmanager
@@ -81,8 +93,8 @@ def masked(model, adapter: DecoderAdapter, masks: Masks):
     try:
         for block, bm in zip(adapter.blocks(model), masks.blocks):
             o_proj, down = adapter.attention(block)[3], adapter.mlp(block)[2]
-            head_vec = _unit_mask(dense.num_heads, bm.heads, d, o_proj.weight)
-            chan_vec = _unit_mask(dense.intermediate_size, bm.channels, 1, down.weight)
+            head_vec = _unit_mask(dense.num_heads, bm.heads, bm.head_scale, d, o_proj.weight)
+            chan_vec = _unit_mask(dense.intermediate_size, bm.channels, bm.channel_scale, 1, down.weight)
             handles.append(o_proj.register_forward_pre_hook(scale_input(head_vec)))
             handles.append(down.register_forward_pre_hook(scale_input(chan_vec)))
         yield model
@@ -120,8 +132,8 @@ def prune(model, adapter: DecoderAdapter, masks: Masks):
             sd[name(lin)] = lin.weight.data[rows].clone()
             if lin.bias is not None:
                 sd[name(lin, "bias")] = lin.bias.data[rows].clone()
-        sd[name(o)] = o.weight.data[:, q_rows].clone()
-        sd[name(down)] = down.weight.data[:, chans].clone()
+        sd[name(o)] = o.weight.data[:, q_rows] * _scale(bm.head_scale, d, o.weight)
+        sd[name(down)] = down.weight.data[:, chans] * _scale(bm.channel_scale, 1, down.weight)
 
     new_config = adapter.pruned_config(config, shape)
     if adapter.export_architecture(config, shape) == "LlamaForCausalLM":

@@ -23,13 +23,13 @@ def test_optimize_writes_a_complete_package(tiny_dirs, text_file, tmp_path, fami
     out = tmp_path / "pkg"
     r = _run(optimize, [tiny_dirs[family], "--target", "l4", "--retain", "0.6", "--calib", text_file,
                         "--eval", text_file, "--seq-len", "64", "--calib-windows", "4", "--eval-windows", "2",
-                        "-o", out])
+                        "--steps", "5", "-o", out])
     assert r.exit_code == 0, r.output
     for f in ("config.json", "model.safetensors", "tokenizer.json", "manifest.json", "report.md",
               "launch.sh", "Dockerfile"):
         assert (out / f).is_file(), f
     m = json.loads((out / "manifest.json").read_text())
-    assert m["target"]["name"] == "l4" and m["method"]["plan"] == "structured"
+    assert m["target"]["name"] == "l4" and m["method"]["plan"] == "activation"
     assert 0.45 < m["method"]["retain_achieved"] <= 0.6
     assert m["size"]["params_pruned"] < m["size"]["params_dense"]
     assert m["quality"]["perplexity"]["pruned"] > 1
@@ -141,7 +141,8 @@ def test_failure_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file
     monkeypatch.setattr(pipeline.evaluate, "perplexity", boom)
     with pytest.raises(RuntimeError):
         CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
-                                      "--eval", str(text_file), "--seq-len", "64", "-o", str(tmp_path / "pkg")],
+                                      "--eval", str(text_file), "--seq-len", "64", "--steps", "3",
+                                      "-o", str(tmp_path / "pkg")],
                            catch_exceptions=False)
     assert list(tmp_path.iterdir()) == []
 

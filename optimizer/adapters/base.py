@@ -63,16 +63,20 @@ class DecoderAdapter:
                           getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
                           config.intermediate_size)
 
+    def unit_params(self, config) -> tuple[int, int, int, int]:
+        """Parameters of one query head, one KV group, one MLP channel, and the fixed rest."""
+        d, h = self.head_dim(config), config.hidden_size
+        head = 2 * h * d + (d if self.qkv_bias else 0)          # q rows + o columns
+        kv = 2 * h * d + (2 * d if self.qkv_bias else 0)        # k rows + v rows
+        mlp_bias = getattr(config, "mlp_bias", False)
+        channel = 3 * h + (2 if mlp_bias else 0)                # gate/up rows + down column
+        fixed = self.fixed_block_params(config) + (h if mlp_bias else 0)
+        return head, kv, channel, fixed
+
     def block_params(self, config, shape: BlockShape) -> int:
         """Parameters of one block of this shape (weights, biases, norms)."""
-        d, h = self.head_dim(config), config.hidden_size
-        attn = h * d * (2 * shape.num_heads + 2 * shape.num_kv_heads)
-        if self.qkv_bias:
-            attn += d * (shape.num_heads + 2 * shape.num_kv_heads)
-        mlp = 3 * h * shape.intermediate_size
-        if getattr(config, "mlp_bias", False):
-            mlp += 2 * shape.intermediate_size + h
-        return attn + mlp + self.fixed_block_params(config)
+        head, kv, channel, fixed = self.unit_params(config)
+        return fixed + shape.num_heads * head + shape.num_kv_heads * kv + shape.intermediate_size * channel
 
     def fixed_block_params(self, config) -> int:
         """Parameters pruning never touches: the two RMSNorms (plus per-head norms)."""

@@ -65,17 +65,24 @@ class ActivationImportance:
 
     # --- decide --------------------------------------------------------------------------
     def decide(self, shape: BlockShape) -> Masks:
-        dense = self.dense
-        group = dense.num_heads // dense.num_kv_heads
-        per_group = shape.num_heads // shape.num_kv_heads
-        if shape.num_heads % shape.num_kv_heads or per_group > group or shape.num_kv_heads > dense.num_kv_heads:
-            raise ValueError(f"shape {shape} is not reachable from {dense}")
-        blocks = []
-        for hs, cs in zip(self.head_scores, self.channel_scores):
-            by_group = hs.view(dense.num_kv_heads, group)
-            best = by_group.topk(per_group, dim=1)  # the heads each group would keep
-            kv_keep = best.values.sum(1).topk(shape.num_kv_heads).indices.sort().values
-            heads = sorted(int(kv * group + best.indices[kv, j]) for kv in kv_keep for j in range(per_group))
-            channels = cs.topk(shape.intermediate_size).indices.sort().values.tolist()
-            blocks.append(BlockMask(heads, kv_keep.tolist(), channels))
-        return Masks(blocks)
+        return select_uniform(self.head_scores, self.channel_scores, self.dense, shape)
+
+
+def select_uniform(head_scores, channel_scores, dense: BlockShape, shape: BlockShape) -> Masks:
+    """Per block, the best units for one uniform shape, keeping GQA regular.
+
+    Kept KV groups are those whose best `per_group` query heads score highest together;
+    inside each kept group the `per_group` best heads stay; then the best channels.
+    """
+    group = dense.num_heads // dense.num_kv_heads
+    per_group = shape.num_heads // shape.num_kv_heads
+    if shape.num_heads % shape.num_kv_heads or per_group > group or shape.num_kv_heads > dense.num_kv_heads:
+        raise ValueError(f"shape {shape} is not reachable from {dense}")
+    blocks = []
+    for hs, cs in zip(head_scores, channel_scores):
+        best = hs.view(dense.num_kv_heads, group).topk(per_group, dim=1)
+        kv_keep = best.values.sum(1).topk(shape.num_kv_heads).indices.sort().values
+        heads = sorted(int(kv * group + best.indices[kv, j]) for kv in kv_keep for j in range(per_group))
+        channels = cs.topk(shape.intermediate_size).indices.sort().values.tolist()
+        blocks.append(BlockMask(heads, kv_keep.tolist(), channels))
+    return Masks(blocks)
