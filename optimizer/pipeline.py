@@ -19,13 +19,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from exporters import per_layer as per_layer_export
 from exporters import vllm as vllm_export
 from optimizer import budget, data, evaluate, load, plan as planner, profiles, report
 from optimizer.adapters import get_adapter
 from optimizer.errors import UserError
 from optimizer.methods.activation import ActivationImportance
 from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts, peak_rss_gib
-from optimizer.surgery import masked, prune
+from optimizer.surgery import layer_shapes, masked, prune, prune_per_layer
 
 TOOL_VERSION = "0.1.0"
 
@@ -39,6 +40,7 @@ def _exporter(fmt: str):
 
 
 EXPORTERS = ("vllm", "onnx")
+LAYOUTS = ("uniform", "per-layer")
 
 
 @dataclass
@@ -60,7 +62,7 @@ class OptimizeConfig:
     seed: int = 0
     threads: int | None = None
     budget: str = "params"            # what --retain counts: params | latency (on the target)
-    layout: str = "uniform"           # uniform (plain config)
+    layout: str = "uniform"           # uniform (plain config) | per-layer (DDP: DeciLM or plugin package)
     ddp_steps: int = 200
     ddp_batch: int = 4
     ddp_seq_len: int = 256
@@ -76,8 +78,12 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError(f"--retain must be in (0, 1], got {cfg.retain}")
     if cfg.budget not in ("params", "latency"):
         raise UserError(f"--budget must be 'params' or 'latency', got '{cfg.budget}'")
-    if cfg.layout != "uniform":
-        raise UserError(f"--layout {cfg.layout}: only 'uniform' is available in this build")
+    if cfg.layout not in LAYOUTS:
+        raise UserError(f"unknown --layout '{cfg.layout}'; choose from: {', '.join(LAYOUTS)}")
+    if cfg.layout == "per-layer" and cfg.method != "ddp":
+        raise UserError("--layout per-layer needs --method ddp (the one-shot activation method is uniform-only)")
+    if cfg.layout == "per-layer" and cfg.format != "vllm":
+        raise UserError(f"--layout per-layer writes vLLM packages only, not --format {cfg.format}")
     if cfg.ddp_steps < 1 or cfg.ddp_batch < 1:
         raise UserError("--steps and the DDP batch must be >= 1")
     if cfg.seq_len < 16 or cfg.calib_windows < 1 or (cfg.eval_windows is not None and cfg.eval_windows < 1):
@@ -152,23 +158,37 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
         decide, detail = _observe_ddp(cfg, model, adapter, train, costs, source, calib_text)
     detail["calibration"] = {"source": calib_text.description, "tokens": detail.pop("tokens")}
 
-    candidates = budget.uniform_candidates(adapter, config, cfg.retain, costs=costs)
-    if not candidates:
-        raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
-    tried = []
-    for shape in tqdm(candidates, desc="choosing shape", unit="shape"):
-        with masked(model, adapter, decide(shape)):
-            loss = _loss(model, held_out)
-        tried.append({"shape": shape.__dict__, "retain": budget.retention(adapter, config, shape),
-                      "retain_budget": budget.retention(adapter, config, shape, costs), "held_out_loss": loss})
-    best = min(range(len(candidates)), key=lambda i: tried[i]["held_out_loss"])
-    shape, masks = candidates[best], decide(candidates[best])
-    log(f"shape: {shape.num_heads} heads / {shape.num_kv_heads} KV heads / {shape.intermediate_size} channels "
-        f"per block (dense {adapter.dense_shape(config).__dict__}), "
-        f"retention {tried[best]['retain']:.3f} of block parameters"
-        + (f", {tried[best]['retain_budget']:.3f} of predicted latency" if cfg.budget == "latency" else ""))
+    per_layer = None
+    if cfg.layout == "per-layer":
+        # DDP's natural result: the units with z > 0, binarised to meet the budget exactly
+        # (`decide` is the DDP object's uniform `masks`); every block keeps its own shape.
+        masks = decide.__self__.budget_masks()
+        tried, chosen, shape = [], _per_layer_retention(adapter, config, masks, costs), _mean_shape(masks)
+        pruned = prune_per_layer(model, adapter, masks)
+        fmt, why = per_layer_export.choose(pruned)
+        pruned = per_layer_export.convert(pruned, fmt)
+        per_layer = {"format": fmt, "format_reason": why, "layer_shapes": layer_shapes(masks)}
+        log(f"per-layer shapes (mean {shape.num_heads:.2f} heads / {shape.num_kv_heads:.2f} KV heads / "
+            f"{shape.intermediate_size:.1f} channels per block), retention {chosen['retain']:.3f} of block "
+            f"parameters; package format: {why}")
+    else:
+        candidates = budget.uniform_candidates(adapter, config, cfg.retain, costs=costs)
+        if not candidates:
+            raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
+        tried = []
+        for shape in tqdm(candidates, desc="choosing shape", unit="shape"):
+            with masked(model, adapter, decide(shape)):
+                loss = _loss(model, held_out)
+            tried.append({"shape": shape.__dict__, "retain": budget.retention(adapter, config, shape),
+                          "retain_budget": budget.retention(adapter, config, shape, costs), "held_out_loss": loss})
+        best = min(range(len(candidates)), key=lambda i: tried[i]["held_out_loss"])
+        shape, masks, chosen = candidates[best], decide(candidates[best]), tried[best]
+        log(f"shape: {shape.num_heads} heads / {shape.num_kv_heads} KV heads / {shape.intermediate_size} channels "
+            f"per block (dense {adapter.dense_shape(config).__dict__}), "
+            f"retention {chosen['retain']:.3f} of block parameters"
+            + (f", {chosen['retain_budget']:.3f} of predicted latency" if cfg.budget == "latency" else ""))
 
-    pruned = prune(model, adapter, masks)
+        pruned = prune(model, adapter, masks)
     with torch.inference_mode(), masked(model, adapter, masks):
         ref = model(held_out[:, :256]).logits
     with torch.inference_mode():
@@ -201,8 +221,8 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
         "target": {"name": target.name, "display_name": target.display_name, "kind": target.kind,
                    "compute_capability": target.compute_capability},
         "method": {"name": plan.method, "plan": plan.method, "layout": cfg.layout, "budget": cfg.budget,
-                   "retain_requested": cfg.retain, "retain_achieved": tried[best]["retain"],
-                   "retain_budget_achieved": tried[best]["retain_budget"],
+                   "retain_requested": cfg.retain, "retain_achieved": chosen["retain"],
+                   "retain_budget_achieved": chosen["retain_budget"],
                    "dense_shape": adapter.dense_shape(config).__dict__, "shape": shape.__dict__,
                    "candidates": tried, "seed": cfg.seed, **detail},
         "quality": {"perplexity": quality} if quality else {},
@@ -213,13 +233,38 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
                  "ideal_ratio": dense_params / pruned_params},
         "plan": {"text": plan.text(), "reasons": plan.reasons, "prediction": plan.prediction,
                  "engine": plan.engine, "engine_version": plan.engine_version},
-        "engine": _exporter(cfg.format).engine_section(target.kind, cfg.max_model_len, out.name),
+        "engine": (per_layer_export.engine_section(per_layer["format"], target.kind, cfg.max_model_len, out.name)
+                   if per_layer else _exporter(cfg.format).engine_section(target.kind, cfg.max_model_len, out.name)),
         "checks": {"masked_vs_pruned_max_abs_logit_diff": max_diff},
         "wall_s": round(time.time() - started, 1),
     }
-    _exporter(cfg.format).write_package(tmp, out, pruned, tok, manifest, report.render(manifest))
+    if per_layer:
+        manifest["method"].update(per_layer, shape={k: round(v, 2) for k, v in shape.__dict__.items()})
+        manifest["size"]["block_params_pruned"] = sum(p.numel() for p in adapter.blocks(pruned).parameters())
+        per_layer_export.write_package(tmp, out, pruned, tok, manifest,
+                                       report.render(manifest) + per_layer_export.report_section(manifest),
+                                       per_layer["format"])
+    else:
+        _exporter(cfg.format).write_package(tmp, out, pruned, tok, manifest, report.render(manifest))
     log(f"package: {out.resolve()}  (serve it: serve {out})")
     return {"plan": plan, "manifest": manifest, "out": out}
+
+
+def _mean_shape(masks):
+    """The mean block of a per-layer layout: parameter counts and the roofline are linear in it."""
+    from types import SimpleNamespace
+    n = len(masks.blocks)
+    return SimpleNamespace(**{k: sum(s[k] for s in layer_shapes(masks)) / n
+                              for k in ("num_heads", "num_kv_heads", "intermediate_size")})
+
+
+def _per_layer_retention(adapter, config, masks, costs) -> dict:
+    from types import SimpleNamespace
+    shapes = [SimpleNamespace(**s) for s in layer_shapes(masks)]  # a removed part counts 0 units
+    dense = adapter.dense_shape(config)
+    L = config.num_hidden_layers
+    return {"retain": sum(adapter.block_params(config, s) for s in shapes) / (L * adapter.block_params(config, dense)),
+            "retain_budget": sum(budget.block_cost(costs, s) for s in shapes) / (L * budget.block_cost(costs, dense))}
 
 
 def _observe_activation(cfg, model, adapter, train: torch.Tensor):

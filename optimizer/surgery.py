@@ -180,3 +180,105 @@ def block_params(adapter: DecoderAdapter, config, masks_or_shape) -> int:
     if isinstance(masks_or_shape, Masks):
         return sum(adapter.block_params(config, b.shape()) for b in masks_or_shape.blocks)
     return config.num_hidden_layers * adapter.block_params(config, masks_or_shape)
+
+
+# --- per-layer layout -----------------------------------------------------------------------
+# A per-layer `Masks` may keep a different number of query heads, KV groups and channels in
+# every block, and may remove a block's attention (no heads, no KV groups) or MLP (no
+# channels) entirely. `masked` already simulates all of that; `prune_per_layer` does it, into
+# one of our per-layer model classes (exporters/plugin: the family's transformers layers built
+# from per-layer configs), which the exporters then write as DeciLM or as a plugin package.
+
+def check_masks_per_layer(adapter: DecoderAdapter, config, masks: Masks) -> None:
+    """`check_masks`' rules for every block that keeps attention / MLP; removed parts are allowed."""
+    stand_in = []
+    for i, b in enumerate(masks.blocks):
+        if not b.heads and b.kv_heads:
+            raise ValueError(f"block {i}: KV groups kept without any query head")
+        stand_in.append(BlockMask(b.heads or [0], b.kv_heads or [0], b.channels or [0]))
+    check_masks(adapter, config, Masks(stand_in))
+
+
+def layer_shapes(masks: Masks) -> list[dict]:
+    """Per block: {num_heads, num_kv_heads, intermediate_size} (0 = removed), as config.json holds them."""
+    return [{"num_heads": len(b.heads), "num_kv_heads": len(b.kv_heads), "intermediate_size": len(b.channels)}
+            for b in masks.blocks]
+
+
+def _sliced_state_dict(model, adapter: DecoderAdapter, masks: Masks) -> dict:
+    """The dense state dict with every block sliced to its mask and gate scales folded, as
+    `prune` slices (same helpers); removed attention / MLP parts lose their weights and norms."""
+    config = model.config
+    d = adapter.head_dim(config)
+    sd = model.state_dict()
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    modules = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+
+    def name(lin, attr="weight"):
+        return names[id(getattr(lin, attr))]
+
+    def drop(prefix):
+        for k in [k for k in sd if k.startswith(prefix + ".")]:
+            del sd[k]
+
+    for block, bm in zip(adapter.blocks(model), masks.blocks):
+        q, k, v, o = adapter.attention(block)
+        gate, up, down = adapter.mlp(block)
+        blk = modules[id(block)]
+        if bm.heads:
+            q_rows, kv_rows = _rows(bm.heads, d), _rows(bm.kv_heads, d)
+            for lin, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows)):
+                sd[name(lin)] = lin.weight.data[rows].clone()
+                if lin.bias is not None:
+                    sd[name(lin, "bias")] = lin.bias.data[rows].clone()
+            sd[name(o)] = o.weight.data[:, q_rows] * _scale(bm.head_scale, d, o.weight)
+        else:  # all four families name these modules the same way (see the model classes)
+            if o.bias is not None:
+                raise ValueError(f"{blk}: o_proj has a bias, so removing the whole attention block is not exact")
+            drop(modules[id(q)].rsplit(".", 1)[0])
+            drop(f"{blk}.input_layernorm")
+        if bm.channels:
+            chans = torch.tensor(bm.channels)
+            for lin in (gate, up):
+                sd[name(lin)] = lin.weight.data[chans].clone()
+                if lin.bias is not None:
+                    sd[name(lin, "bias")] = lin.bias.data[chans].clone()
+            sd[name(down)] = down.weight.data[:, chans] * _scale(bm.channel_scale, 1, down.weight)
+        else:
+            if down.bias is not None:
+                raise ValueError(f"{blk}: down_proj has a bias, so removing the whole MLP is not exact")
+            drop(modules[id(gate)].rsplit(".", 1)[0])
+            drop(f"{blk}.post_attention_layernorm")
+    return sd
+
+
+def per_layer_config(adapter: DecoderAdapter, config, masks: Masks):
+    """The family's config as our `<family>_per_layer` config holding every block's shape."""
+    from exporters.plugin.configuration_per_layer import PER_LAYER_CONFIGS
+    model_type = f"{config.model_type}_per_layer"
+    if model_type not in PER_LAYER_CONFIGS:
+        raise ValueError(f"no per-layer model class for model type '{config.model_type}'")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("Qwen2 with sliding-window layers has no per-layer model class")
+    shapes = layer_shapes(masks)
+    if adapter.family == "qwen3" and any(0 in s.values() for s in shapes):
+        raise ValueError("removing a whole attention block or MLP is supported for LLaMA-style families, not Qwen3")
+    d = {k: v for k, v in config.to_dict().items()
+         if k not in ("model_type", "architectures", "auto_map", "transformers_version", "quantization_config")}
+    cls = PER_LAYER_CONFIGS[model_type]
+    arch = "PerLayer" + type(config).__name__.replace("Config", "ForCausalLM")
+    return cls.from_dict({**d, "head_dim": adapter.head_dim(config), "layer_shapes": shapes,
+                          "architectures": [arch]})
+
+
+def prune_per_layer(model, adapter: DecoderAdapter, masks: Masks):
+    """A new, physically smaller model with each block's own shape (our per-layer model class).
+
+    Same slicing and scale folding as `prune`; the weights are loaded strictly into a fresh
+    model built from the per-layer config, so the config provably describes the tensors.
+    """
+    from exporters.plugin import register_transformers
+    register_transformers()  # _build creates the model through AutoModelForCausalLM
+    check_masks_per_layer(adapter, model.config, masks)
+    new_config = per_layer_config(adapter, model.config, masks)
+    return _build(new_config, _sliced_state_dict(model, adapter, masks), model.dtype)
