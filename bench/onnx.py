@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (pipeline) and onnxruntime threads (server)")
     ap.add_argument("--port", type=int, default=8131)
     ap.add_argument("--skip-serve", action="store_true", help="packages, export and validation times only")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse packages already under --packages (e.g. from a --skip-serve run) instead of rebuilding")
     ap.add_argument("--packages", default=str(ROOT / "out" / "onnx"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "onnx"))
     args = ap.parse_args()
@@ -69,14 +71,18 @@ def main() -> None:
     # All packages first (the dense one too), then all serving runs back to back.
     for retain in [1.0] + args.retain:
         pkg = packages / f"{_name(args)}-r{retain:.2f}"
-        shutil.rmtree(pkg, ignore_errors=True)
         t0 = time.time()
-        res = optimize(OptimizeConfig(model=args.model, target=args.target, method="activation", retain=retain,
-                                      calib=str(calib), out=str(pkg), format="onnx", calib_windows=args.calib_windows,
-                                      eval_windows=args.eval_windows, seq_len=args.seq_len, threads=args.threads))
-        m = res["manifest"]
+        if args.reuse and (pkg / "manifest.json").is_file():
+            m = json.loads((pkg / "manifest.json").read_text())
+        else:
+            shutil.rmtree(pkg, ignore_errors=True)
+            m = optimize(OptimizeConfig(model=args.model, target=args.target, method="activation", retain=retain,
+                                        calib=str(calib), out=str(pkg), format="onnx",
+                                        calib_windows=args.calib_windows, eval_windows=args.eval_windows,
+                                        seq_len=args.seq_len, threads=args.threads))["manifest"]
         c = m["checks"]["onnx"]
-        entry = {"retain": retain, "package": str(pkg), "optimize_wall_s": round(time.time() - t0, 1),
+        entry = {"retain": retain, "package": str(pkg),
+                 "optimize_wall_s": m.get("wall_s") if args.reuse else round(time.time() - t0, 1),
                  "retain_achieved": m["method"]["retain_achieved"], "shape": m["method"]["shape"],
                  "onnx_bytes": m["onnx"]["bytes"], "export_s": c["export_s"], "validate_s": c["validate_s"],
                  "validation": {"prefill_max_abs_diff": c["prefill"]["logits_max_abs_diff"],

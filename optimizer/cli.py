@@ -37,6 +37,8 @@ def one_line_errors(fn):
 @click.option("-o", "--out", type=click.Path(), help="Package directory to create (must not exist).")
 @click.option("--format", "fmt", default="vllm", show_default=True, type=click.Choice(["vllm", "onnx"]),
               help="Package for vLLM, or ONNX with KV cache for onnxruntime.")
+@click.option("--onnx-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16"]),
+              help="Precision of an ONNX package (float16 is for GPU execution providers).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and the predicted speedup, then stop.")
 @click.option("--engine-version", help="vLLM version the package will be served with (default: installed, else 0.32.0).")
 @click.option("--calib-windows", default=16, show_default=True, help="Calibration windows of --seq-len tokens.")
@@ -46,11 +48,12 @@ def one_line_errors(fn):
 @click.option("--threads", type=int, help="torch CPU threads (default: torch's choice).")
 @click.option("--budget", default="params", show_default=True, type=click.Choice(["params", "latency"]),
               help="What --retain counts: parameters, or the target's predicted latency.")
-@click.option("--layout", default="uniform", show_default=True, help="uniform: same shape every layer.")
+@click.option("--layout", default="uniform", show_default=True, type=click.Choice(["uniform", "per-layer"]),
+              help="uniform: same shape every layer (plain config); per-layer (--method ddp): DeciLM or plugin package.")
 @click.option("--steps", default=200, show_default=True, help="DDP gate-training steps.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted DDP run from its checkpoint.")
 @one_line_errors
-def optimize(model, target, method, retain, calib, eval_, out, fmt, dry_run, engine_version, calib_windows,
+def optimize(model, target, method, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads, budget, layout, steps, resume):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
@@ -61,7 +64,7 @@ def optimize(model, target, method, retain, calib, eval_, out, fmt, dry_run, eng
     if eval_windows != "all" and not eval_windows.isdigit():
         raise UserError(f"--eval-windows must be a number or 'all', got {eval_windows!r}")
     run(OptimizeConfig(model=model, target=target, method=method, retain=retain, calib=calib, eval=eval_,
-                       out=out, format=fmt, dry_run=dry_run, engine_version=engine_version, calib_windows=calib_windows,
+                       out=out, format=fmt, onnx_dtype=onnx_dtype, dry_run=dry_run, engine_version=engine_version, calib_windows=calib_windows,
                        eval_windows=None if eval_windows == "all" else int(eval_windows), seq_len=seq_len,
                        seed=seed, threads=threads, budget=budget, layout=layout, ddp_steps=steps, resume=resume))
 

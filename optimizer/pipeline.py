@@ -54,6 +54,7 @@ class OptimizeConfig:
     out: str | None = None
     dry_run: bool = False
     format: str = "vllm"              # vllm | onnx
+    onnx_dtype: str = "float32"       # float32 | float16 (ONNX packages)
     engine_version: str | None = None
     calib_windows: int = 16
     eval_windows: int | None = 16     # None = every window of the eval text
@@ -153,16 +154,16 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
     costs = (adapter.unit_params(config) if cfg.budget == "params"
              else planner.unit_latency_costs(target, adapter, config))
     if plan.method == "activation":
-        decide, detail = _observe_activation(cfg, model, adapter, train)
+        method, detail = _observe_activation(cfg, model, adapter, train)
     else:
-        decide, detail = _observe_ddp(cfg, model, adapter, train, costs, source, calib_text)
+        method, detail = _observe_ddp(cfg, model, adapter, train, costs, source, calib_text)
     detail["calibration"] = {"source": calib_text.description, "tokens": detail.pop("tokens")}
 
     per_layer = None
     if cfg.layout == "per-layer":
         # DDP's natural result: the units with z > 0, binarised to meet the budget exactly
-        # (`decide` is the DDP object's uniform `masks`); every block keeps its own shape.
-        masks = decide.__self__.budget_masks()
+        # every block keeps its own shape.
+        masks = method.budget_masks()
         tried, chosen, shape = [], _per_layer_retention(adapter, config, masks, costs), _mean_shape(masks)
         pruned = prune_per_layer(model, adapter, masks)
         fmt, why = per_layer_export.choose(pruned)
@@ -177,12 +178,12 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
             raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
         tried = []
         for shape in tqdm(candidates, desc="choosing shape", unit="shape"):
-            with masked(model, adapter, decide(shape)):
+            with masked(model, adapter, method.decide(shape)):
                 loss = _loss(model, held_out)
             tried.append({"shape": shape.__dict__, "retain": budget.retention(adapter, config, shape),
                           "retain_budget": budget.retention(adapter, config, shape, costs), "held_out_loss": loss})
         best = min(range(len(candidates)), key=lambda i: tried[i]["held_out_loss"])
-        shape, masks, chosen = candidates[best], decide(candidates[best]), tried[best]
+        shape, masks, chosen = candidates[best], method.decide(candidates[best]), tried[best]
         log(f"shape: {shape.num_heads} heads / {shape.num_kv_heads} KV heads / {shape.intermediate_size} channels "
             f"per block (dense {adapter.dense_shape(config).__dict__}), "
             f"retention {chosen['retain']:.3f} of block parameters"
@@ -245,7 +246,8 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
                                        report.render(manifest) + per_layer_export.report_section(manifest),
                                        per_layer["format"])
     else:
-        _exporter(cfg.format).write_package(tmp, out, pruned, tok, manifest, report.render(manifest))
+        _exporter(cfg.format).write_package(tmp, out, pruned, tok, manifest, report.render(manifest),
+                                        **({"dtype": cfg.onnx_dtype} if cfg.format == "onnx" else {}))
     log(f"package: {out.resolve()}  (serve it: serve {out})")
     return {"plan": plan, "manifest": manifest, "out": out}
 
@@ -269,11 +271,12 @@ def _per_layer_retention(adapter, config, masks, costs) -> dict:
 
 def _observe_activation(cfg, model, adapter, train: torch.Tensor):
     importance = ActivationImportance(model, adapter)
-    stats = train[: cfg.calib_windows]
+    # At retention 1 every unit stays whatever the scores, so there is nothing to observe.
+    stats = train[: cfg.calib_windows] if cfg.retain < 1 else train[:0]
     for w in tqdm(stats, desc="calibrating", unit="win"):
         importance.add_batch(model, w[None])
     importance.remove_hooks()
-    return importance.decide, {"tokens": stats.numel()}
+    return importance, {"tokens": stats.numel()}
 
 
 def _observe_ddp(cfg, model, adapter, train: torch.Tensor, costs, source, calib_text):
@@ -306,7 +309,7 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, costs, source, calib_
                       "resumed_from_step": start_step, "final": stats,
                       "peak_rss_gib": round(peak_rss_gib(), 2), "checkpoint": str(ckpt),
                       "positive_gates": _positive_gates(ddp)}}
-    return ddp.masks, detail
+    return ddp, detail
 
 
 def _positive_gates(ddp) -> dict:

@@ -38,7 +38,7 @@ def test_gated_model_with_binarised_gates_equals_the_exported_model(family):
     model, adapter, ddp, _, data = _trained(family, retain=0.6, steps=10)
     ddp.remove_hooks()
     for shape in budget.uniform_candidates(adapter, model.config, 0.6)[:3]:
-        masks = ddp.masks(shape)  # kept units carry their ReLU(z) as scales
+        masks = ddp.decide(shape)  # kept units carry their ReLU(z) as scales
         check_masks(adapter, model.config, masks)
         assert any(s != 1.0 for b in masks.blocks for s in b.channel_scale)
         with torch.inference_mode(), masked(model, adapter, masks):

@@ -487,6 +487,17 @@ def test_optimize_format_onnx_through_the_cli(cli_packages):
     assert r.exit_code == 2 and "vLLM tensor parallelism" in r.output
 
 
+def test_optimize_onnx_float16_through_the_cli(tiny_dirs, text_file, tmp_path):
+    from optimizer.cli import optimize
+    args = [tiny_dirs["llama"], "--target", "cpu", "--method", "activation", "--retain", "0.6", "--calib", text_file,
+            "--eval", text_file, "--seq-len", "64", "--calib-windows", "2", "--eval-windows", "1",
+            "--format", "onnx", "--onnx-dtype", "float16", "-o", tmp_path / "fp16"]
+    r = CliRunner().invoke(optimize, [str(a) for a in args], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "fp16" / "manifest.json").read_text())
+    assert m["onnx"]["dtype"] == "float16" and m["checks"]["onnx"]["greedy"]["tokens"] == 32
+
+
 def test_vllm_packages_keep_their_command():
     manifest = {"format": "vllm", "engine": {"served_model_name": "p", "args": ["--dtype", "bfloat16"]}}
     assert launch.package_command("/x/p", manifest, "h", 1, ["--enforce-eager"]) == \

@@ -13,7 +13,7 @@ gates; μ_t anneals geometrically from 1 so s approaches the step 1[z > 0]:
     λ     ← λ + β c                                 (dual ascent, every step)
 The teacher is the same frozen model with gates switched off (no second copy of weights).
 
-Observe = `step(batch)` (one optimisation step); decide = `masks(shape)` for a uniform
+Observe = `step(batch)` (one optimisation step); decide = `decide(shape)` for a uniform
 shape, or `budget_masks()` for per-layer shapes meeting the budget exactly.
 """
 
@@ -196,7 +196,7 @@ class DDP:
         with torch.no_grad():
             return list(self.gates.head_gate()), list(F.relu(self.gates.channel))
 
-    def masks(self, shape: BlockShape) -> Masks:
+    def decide(self, shape: BlockShape) -> Masks:
         """Uniform layout: the best units per block for `shape`, their gates as scales."""
         heads, chans = self.unit_values()
         masks = select_uniform(heads, chans, self.dense, shape)
