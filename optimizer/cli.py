@@ -48,7 +48,7 @@ def one_line_errors(fn):
 @click.option("--threads", type=int, help="torch CPU threads (default: torch's choice).")
 @click.option("--budget", default="params", show_default=True, type=click.Choice(["params", "latency"]),
               help="What --retain counts: parameters, or the target's predicted latency.")
-@click.option("--layout", default="uniform", show_default=True, type=click.Choice(["uniform", "per-layer"]),
+@click.option("--layout", default="uniform", show_default=True,
               help="uniform: same shape every layer (plain config); per-layer (--method ddp): DeciLM or plugin package.")
 @click.option("--steps", default=200, show_default=True, help="DDP gate-training steps.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted DDP run from its checkpoint.")
