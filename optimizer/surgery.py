@@ -116,31 +116,14 @@ def prune(model, adapter: DecoderAdapter, masks: Masks):
         raise ValueError("per-layer shapes need a per-layer export layout; masks are not uniform")
     if not adapter.loadable(config, shape):
         raise ValueError(f"{shape} cannot be saved as a {adapter.family} checkpoint that loads back")
-    d = adapter.head_dim(config)
-    sd = model.state_dict()
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-
-    def name(lin, attr="weight"):
-        return names[id(getattr(lin, attr))]
-
-    for block, bm in zip(adapter.blocks(model), masks.blocks):
-        q, k, v, o = adapter.attention(block)
-        gate, up, down = adapter.mlp(block)
-        q_rows, kv_rows = _rows(bm.heads, d), _rows(bm.kv_heads, d)
-        chans = torch.tensor(bm.channels)
-        for lin, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows), (gate, chans), (up, chans)):
-            sd[name(lin)] = lin.weight.data[rows].clone()
-            if lin.bias is not None:
-                sd[name(lin, "bias")] = lin.bias.data[rows].clone()
-        sd[name(o)] = o.weight.data[:, q_rows] * _scale(bm.head_scale, d, o.weight)
-        sd[name(down)] = down.weight.data[:, chans] * _scale(bm.channel_scale, 1, down.weight)
-
+    sd = _sliced_state_dict(model, adapter, masks)
     new_config = adapter.pruned_config(config, shape)
     if adapter.export_architecture(config, shape) == "LlamaForCausalLM":
         new_config = _as_llama_with_bias(new_config)
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         for block in adapter.blocks(model):
             o = adapter.attention(block)[3]
-            sd[name(o).removesuffix("weight") + "bias"] = torch.zeros(o.out_features, dtype=o.weight.dtype)
+            sd[names[id(o.weight)].removesuffix("weight") + "bias"] = torch.zeros(o.out_features, dtype=o.weight.dtype)
     return _build(new_config, sd, model.dtype)
 
 
