@@ -451,11 +451,11 @@ def test_per_layer_package_has_no_genai_config(tmp_path, tokenizer):
 # through the CLI: optimize --format onnx, serve, bench
 
 
-def _optimize(tiny_dir, text_file, out, retain):
+def _optimize(tiny_dir, text_file, out, retain, *extra):
     from optimizer.cli import optimize
     args = [tiny_dir, "--target", "cpu", "--method", "activation", "--retain", retain, "--calib", text_file,
             "--eval", text_file, "--seq-len", "64", "--calib-windows", "2", "--eval-windows", "1",
-            "--format", "onnx", "-o", out]
+            "--format", "onnx", *extra, "-o", out]
     return CliRunner().invoke(optimize, [str(a) for a in args], catch_exceptions=False)
 
 
@@ -488,11 +488,7 @@ def test_optimize_format_onnx_through_the_cli(cli_packages):
 
 
 def test_optimize_onnx_float16_through_the_cli(tiny_dirs, text_file, tmp_path):
-    from optimizer.cli import optimize
-    args = [tiny_dirs["llama"], "--target", "cpu", "--method", "activation", "--retain", "0.6", "--calib", text_file,
-            "--eval", text_file, "--seq-len", "64", "--calib-windows", "2", "--eval-windows", "1",
-            "--format", "onnx", "--onnx-dtype", "float16", "-o", tmp_path / "fp16"]
-    r = CliRunner().invoke(optimize, [str(a) for a in args], catch_exceptions=False)
+    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "fp16", 0.6, "--onnx-dtype", "float16")
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "fp16" / "manifest.json").read_text())
     assert m["onnx"]["dtype"] == "float16" and m["checks"]["onnx"]["greedy"]["tokens"] == 32
