@@ -11,7 +11,6 @@ import datetime as _dt
 import hashlib
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -348,7 +347,3 @@ def _dense_perplexity(model, windows: torch.Tensor, source) -> float:
 @torch.inference_mode()
 def _loss(model, windows: torch.Tensor) -> float:
     return sum(model(w[None], labels=w[None]).loss.item() for w in windows) / len(windows)
-
-
-def clean_cache() -> None:
-    shutil.rmtree(load.cache_dir(), ignore_errors=True)

@@ -159,12 +159,6 @@ def _build(config, state_dict: dict, dtype: torch.dtype):
     return model.eval()
 
 
-def block_params(adapter: DecoderAdapter, config, masks_or_shape) -> int:
-    if isinstance(masks_or_shape, Masks):
-        return sum(adapter.block_params(config, b.shape()) for b in masks_or_shape.blocks)
-    return config.num_hidden_layers * adapter.block_params(config, masks_or_shape)
-
-
 # --- per-layer layout -----------------------------------------------------------------------
 # A per-layer `Masks` may keep a different number of query heads, KV groups and channels in
 # every block, and may remove a block's attention (no heads, no KV groups) or MLP (no
