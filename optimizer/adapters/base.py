@@ -54,6 +54,11 @@ class DecoderAdapter:
         m = block.mlp
         return m.gate_proj, m.up_proj, m.down_proj
 
+    def linears(self, block) -> dict[str, nn.Linear]:
+        """The block's prunable matmuls by their name inside the block (N:M pruning acts on these)."""
+        names = {id(m): n for n, m in block.named_modules()}
+        return {names[id(m)]: m for m in (*self.attention(block), *self.mlp(block))}
+
     # --- shapes ------------------------------------------------------------------------
     def head_dim(self, config) -> int:
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

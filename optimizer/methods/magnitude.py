@@ -1,0 +1,31 @@
+"""Magnitude pruning: keep the largest |W|. Needs no calibration data (add_batch is a no-op),
+but has the same two-phase shape as Wanda and SparseGPT so the block runner treats all alike."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from optimizer.sparsity import Sparsity
+
+
+class Magnitude:
+    needs_data = False
+
+    def __init__(self, layer: nn.Linear):
+        self.layer = layer
+
+    def add_batch(self, inp: torch.Tensor) -> None:
+        pass
+
+    def scores(self) -> torch.Tensor:
+        return self.layer.weight.detach().float().abs()
+
+    @torch.no_grad()
+    def prune(self, sparsity: Sparsity) -> torch.Tensor:
+        keep = sparsity.mask(self.scores())
+        self.layer.weight.mul_(keep)
+        return keep
+
+    def free(self) -> None:
+        pass
