@@ -2,7 +2,7 @@
 # Build from inside the package directory:  docker build -t my-pruned-model .
 # Run:  docker run --gpus all -p 8000:8000 my-pruned-model
 # The official vLLM image; pin the version the package's manifest was tested with.
-ARG VLLM_VERSION=v0.32.0
+ARG VLLM_VERSION={{VLLM_VERSION}}
 FROM vllm/vllm-openai:${VLLM_VERSION}
 COPY . /package
 {{ENV}}EXPOSE 8000

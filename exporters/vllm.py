@@ -46,6 +46,21 @@ def engine_section(target_kind: str, max_model_len: int, served_model_name: str)
             "env": recommended_env(target_kind)}
 
 
+# compressed-tensors' description of a 2:4 model stored in plain dense tensors (methods.md §4).
+# Only engines with a 2:4 kernel get it: vLLM 0.19+ refuses any sparsity_config with targets.
+def sparse24_quantization_config(global_sparsity: float) -> dict:
+    return {"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "dense", "version": "0.9.1", "config_groups": {},
+        "sparsity_config": {"format": "dense", "sparsity_structure": "2:4",
+                            "global_sparsity": round(global_sparsity, 4),
+                            "targets": ["Linear"], "ignore": ["lm_head"]}}}
+
+
+# What `serve` adds when the installed vLLM has no 2:4 kernel but the package carries the
+# sparsity_config for one: vLLM then reads no quantization config and serves the zeros densely.
+DENSE_FALLBACK_ARGS = ["--hf-overrides", json.dumps({"quantization_config": None})]
+
+
 def prepare_output(out: Path) -> Path:
     """Fail early (before any compute) when `out` cannot be created; return a temp dir beside it."""
     out = out.expanduser().resolve()
@@ -62,11 +77,18 @@ def prepare_output(out: Path) -> Path:
 
 
 def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report_md: str,
-                  dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Fill `tmp` and rename it to `out`. The caller removes `tmp` if this raises."""
+                  dtype: torch.dtype = torch.bfloat16, config_extra: dict | None = None) -> Path:
+    """Fill `tmp` and rename it to `out`. The caller removes `tmp` if this raises.
+
+    `config_extra` is merged into config.json as written (e.g. a compressed-tensors
+    `quantization_config`), where transformers' config object would reinterpret it.
+    """
     model = model.to(dtype)
     model.config.dtype = dtype
     model.save_pretrained(tmp, safe_serialization=True)
+    if config_extra:
+        cfg_path = tmp / "config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **config_extra}, indent=2) + "\n")
     tokenizer.save_pretrained(tmp)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     (tmp / "report.md").write_text(report_md)
@@ -98,7 +120,8 @@ def _write_dockerfile(tmp: Path, target_kind: str, engine: dict) -> None:
     template = DOCKER_DIR / ("vllm-cpu.Dockerfile" if target_kind == "cpu" else "vllm-gpu.Dockerfile")
     entry = server_command("/package", engine["served_model_name"], engine["args"], python="python3")
     env = "".join(f"ENV {k}={v}\n" for k, v in engine.get("env", {}).items())
-    text = template.read_text().replace("{{ENTRYPOINT}}", json.dumps(entry)).replace("{{ENV}}", env)
+    text = (template.read_text().replace("{{ENTRYPOINT}}", json.dumps(entry)).replace("{{ENV}}", env)
+            .replace("{{VLLM_VERSION}}", "v" + engine.get("image_version", "0.32.0")))
     (tmp / "Dockerfile").write_text(text)
 
 

@@ -29,7 +29,10 @@ def one_line_errors(fn):
 @click.option("--target", "-t", default="auto", show_default=True,
               help="Deployment target from `profiles` (a100, h100, l4, cpu, ...) or 'auto' to detect.")
 @click.option("--method", default="auto", show_default=True,
-              help="auto | structured | ddp (learned gates) | activation (one-shot baseline)")
+              help="auto | structured | ddp (learned gates) | activation (one-shot baseline) | semi-structured | "
+                   "magnitude | wanda | sparsegpt | si+magnitude | si+wanda | si+sparsegpt | roi (learned N:M)")
+@click.option("--sparsity", default="2:4", show_default=True,
+              help="Semi-structured methods: N:M pattern (2:4, 4:8, 2:8) or an unstructured fraction (0.5).")
 @click.option("--retain", default=0.7, show_default=True, type=float,
               help="Fraction of the transformer blocks' parameters kept, in (0, 1].")
 @click.option("--calib", type=click.Path(), help="Calibration text file (default: built-in corpus).")
@@ -52,9 +55,11 @@ def one_line_errors(fn):
               help="uniform: same shape every layer (plain config); per-layer (--method ddp): DeciLM or plugin package.")
 @click.option("--steps", default=200, show_default=True, help="DDP gate-training steps.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted DDP run from its checkpoint.")
+@click.option("--si-steps", default=20, show_default=True, help="SI: optimisation steps per block.")
+@click.option("--roi-steps", default=200, show_default=True, help="RoI: mask-training steps.")
 @one_line_errors
-def optimize(model, target, method, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
-             eval_windows, seq_len, seed, threads, budget, layout, steps, resume):
+def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
+             eval_windows, seq_len, seed, threads, budget, layout, steps, resume, si_steps, roi_steps):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
@@ -66,7 +71,8 @@ def optimize(model, target, method, retain, calib, eval_, out, fmt, onnx_dtype, 
     run(OptimizeConfig(model=model, target=target, method=method, retain=retain, calib=calib, eval=eval_,
                        out=out, format=fmt, onnx_dtype=onnx_dtype, dry_run=dry_run, engine_version=engine_version, calib_windows=calib_windows,
                        eval_windows=None if eval_windows == "all" else int(eval_windows), seq_len=seq_len,
-                       seed=seed, threads=threads, budget=budget, layout=layout, ddp_steps=steps, resume=resume))
+                       seed=seed, threads=threads, budget=budget, layout=layout, ddp_steps=steps, resume=resume,
+                       sparsity=sparsity, si_steps=si_steps, roi_steps=roi_steps))
 
 
 @click.command()

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from exporters import per_layer as per_layer_export
 from exporters import vllm as vllm_export
-from optimizer import budget, data, evaluate, load, plan as planner, profiles, report
+from optimizer import budget, data, evaluate, load, plan as planner, profiles, report, sparsity
 from optimizer.adapters import get_adapter
 from optimizer.errors import UserError
 from optimizer.methods.activation import ActivationImportance
@@ -68,6 +68,9 @@ class OptimizeConfig:
     ddp_seq_len: int = 256
     resume: bool = False
     checkpoint_every: int = 25
+    sparsity: str = "2:4"             # semi-structured methods: N:M, or an unstructured fraction
+    si_steps: int = 20                # SI: optimisation steps per block
+    roi_steps: int = 200              # RoI: mask-training steps
     log: callable = field(default=print, repr=False)
 
 
@@ -88,6 +91,10 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError("--steps and the DDP batch must be >= 1")
     if cfg.seq_len < 16 or cfg.calib_windows < 1 or (cfg.eval_windows is not None and cfg.eval_windows < 1):
         raise UserError("--seq-len must be >= 16 and window counts >= 1")
+    if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":
+        sparsity.parse(cfg.sparsity)  # raises on a malformed pattern
+        if cfg.layout != "uniform":
+            raise UserError("--layout applies to structured methods; semi-structured pruning keeps every shape")
     for path, what in ((cfg.calib, "calibration file"), (cfg.eval, "evaluation file")):
         if path is not None:
             data.read_text_file(path, what)  # raises on missing / empty / binary
@@ -97,7 +104,10 @@ def optimize(cfg: OptimizeConfig) -> dict:
     log = cfg.log
     validate(cfg)
     target, why_target = _target(cfg.target)
-    plan = planner.choose(target, cfg.method, engine_version=cfg.engine_version)
+    plan = planner.choose(target, cfg.method, engine_version=cfg.engine_version, sparsity=cfg.sparsity)
+    if plan.sparsity and cfg.format != "vllm":
+        raise UserError(f"semi-structured packages are vLLM packages (onnxruntime has no 2:4 kernel); "
+                        f"drop --format {cfg.format} or use --method structured")
     source = load.resolve(cfg.model)
     from transformers import AutoConfig
     try:
@@ -105,22 +115,31 @@ def optimize(cfg: OptimizeConfig) -> dict:
     except Exception as e:
         raise UserError(f"{source.description}: unreadable config ({type(e).__name__})") from None
     adapter = get_adapter(hf_config)
-    nominal = budget.uniform_candidates(adapter, hf_config, cfg.retain)
-    if not nominal:
-        raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
-    plan.prediction = planner.roofline(target, adapter, hf_config, nominal[0])
+    if plan.sparsity:
+        for name, width in adapter.input_widths(hf_config).items():
+            sparsity.parse(plan.sparsity).check_shape(width, name)
+        plan.prediction = planner.roofline_sparse(target, adapter, hf_config, plan.sparse_kernel)
+    else:
+        nominal = budget.uniform_candidates(adapter, hf_config, cfg.retain)
+        if not nominal:
+            raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
+        plan.prediction = planner.roofline(target, adapter, hf_config, nominal[0])
     if why_target:
         log(why_target)
     log(plan.text())
     if cfg.dry_run:
         return {"plan": plan, "dry_run": True}
 
-    out = Path(cfg.out or f"out/{source.name}-{target.name}-{plan.method}-r{cfg.retain:.2f}")
+    level = f"s{plan.sparsity.replace(':', 'of')}" if plan.sparsity else f"r{cfg.retain:.2f}"
+    out = Path(cfg.out or f"out/{source.name}-{target.name}-{plan.method}-{level}")
     try:
         tmp = vllm_export.prepare_output(out)
     except (FileExistsError, PermissionError) as e:
         raise UserError(str(e)) from None
     try:
+        if plan.sparsity:
+            from optimizer import semistructured
+            return semistructured.run(cfg, target, plan, source, adapter, out, tmp)
         return _run(cfg, target, plan, source, adapter, out, tmp)
     except BaseException:
         vllm_export.remove_partial(tmp)
@@ -142,13 +161,7 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
     model, tok = load.load_model(source)
     config = model.config
 
-    calib_text = data.read_text_file(cfg.calib, "calibration file") if cfg.calib else data.builtin_text("calib")
-    if calib_text is None:
-        calib_text = data.self_generated_text(model, tok, (cfg.calib_windows + 1) * cfg.seq_len, cfg.seed)
-    windows = data.token_windows(tok, calib_text.text, cfg.seq_len)
-    # The last window is held out to choose between candidate shapes.
-    train, held_out = (windows[:-1], windows[-1:]) if len(windows) > 1 else (windows, windows)
-    log(f"calibration: {calib_text.description}, {train.numel()} tokens available")
+    calib_text, train, held_out = _calibration(cfg, model, tok)
 
     costs = (adapter.unit_params(config) if cfg.budget == "params"
              else planner.unit_latency_costs(target, adapter, config))
@@ -196,17 +209,7 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
     if max_diff > 1e-3 * max(1.0, ref.abs().max().item()):
         raise RuntimeError(f"internal check failed: pruned model differs from the masked model by {max_diff}")
 
-    eval_text = data.read_text_file(cfg.eval, "evaluation file") if cfg.eval else data.builtin_text("eval")
-    quality = {}
-    if eval_text is not None:
-        windows = data.token_windows(tok, eval_text.text, cfg.seq_len, cfg.eval_windows)
-        quality = {"eval": eval_text.description, "windows": len(windows), "seq_len": cfg.seq_len,
-                   "dense": _dense_perplexity(model, windows, source),
-                   "pruned": evaluate.perplexity(pruned, windows, "perplexity (pruned)")}
-        log(f"perplexity: dense {quality['dense']:.3f} → pruned {quality['pruned']:.3f} "
-            f"({quality['windows']} windows of {cfg.seq_len})")
-    else:
-        log("perplexity: skipped (no --eval file and no built-in corpus)")
+    quality = _quality(cfg, tok, source, model, pruned)
 
     plan.prediction = planner.roofline(target, adapter, config, shape)
     dense_params = sum(p.numel() for p in model.parameters())
@@ -249,6 +252,42 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
                                         **({"dtype": cfg.onnx_dtype} if cfg.format == "onnx" else {}))
     log(f"package: {out.resolve()}  (serve it: serve {out})")
     return {"plan": plan, "manifest": manifest, "out": out}
+
+
+def _calibration(cfg, model, tok):
+    """The calibration text and its windows; the last window is held out (shape choice)."""
+    calib_text = data.read_text_file(cfg.calib, "calibration file") if cfg.calib else data.builtin_text("calib")
+    if calib_text is None:
+        calib_text = data.self_generated_text(model, tok, (cfg.calib_windows + 1) * cfg.seq_len, cfg.seed)
+    windows = data.token_windows(tok, calib_text.text, cfg.seq_len)
+    train, held_out = (windows[:-1], windows[-1:]) if len(windows) > 1 else (windows, windows)
+    cfg.log(f"calibration: {calib_text.description}, {train.numel()} tokens available")
+    return calib_text, train, held_out
+
+
+def _quality(cfg, tok, source, dense, pruned) -> dict:
+    """Perplexity of the dense model (cached) and of the pruned one on the evaluation windows.
+
+    `dense` may be a model or, when pruning happened in place, the already-measured figure.
+    """
+    eval_text = data.read_text_file(cfg.eval, "evaluation file") if cfg.eval else data.builtin_text("eval")
+    if eval_text is None:
+        cfg.log("perplexity: skipped (no --eval file and no built-in corpus)")
+        return {}
+    windows = data.token_windows(tok, eval_text.text, cfg.seq_len, cfg.eval_windows)
+    quality = {"eval": eval_text.description, "windows": len(windows), "seq_len": cfg.seq_len,
+               "dense": dense if isinstance(dense, float) else _dense_perplexity(dense, windows, source),
+               "pruned": evaluate.perplexity(pruned, windows, "perplexity (pruned)")}
+    cfg.log(f"perplexity: dense {quality['dense']:.3f} → pruned {quality['pruned']:.3f} "
+            f"({quality['windows']} windows of {cfg.seq_len})")
+    return quality
+
+
+def _dense_quality(cfg, tok, source, model) -> float | None:
+    eval_text = data.read_text_file(cfg.eval, "evaluation file") if cfg.eval else data.builtin_text("eval")
+    if eval_text is None:
+        return None
+    return _dense_perplexity(model, data.token_windows(tok, eval_text.text, cfg.seq_len, cfg.eval_windows), source)
 
 
 def _mean_shape(masks):

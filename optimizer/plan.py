@@ -20,9 +20,18 @@ from optimizer.profiles import Profile
 
 # auto / structured → the planner's structured method: the one-shot activation method until
 # DDP's figures (issue 3) show it wins at an acceptable training time; ddp on request.
-METHODS = ("auto", "structured", "ddp", "activation")
+STRUCTURED_METHODS = ("ddp", "activation")
 STRUCTURED = "activation"
+# The semi-structured family (N:M or unstructured zeros in every Linear of the blocks).
+ONE_SHOT = ("magnitude", "wanda", "sparsegpt")
+SPARSE_METHODS = (*ONE_SHOT, *(f"si+{m}" for m in ONE_SHOT), "roi")
+SEMI_STRUCTURED = "sparsegpt"   # auto's choice where a 2:4 kernel serves the package
+METHODS = ("auto", "structured", "semi-structured", *STRUCTURED_METHODS, *SPARSE_METHODS)
 DEFAULT_VLLM = "0.32.0"
+
+
+def is_sparse(method: str) -> bool:
+    return method in SPARSE_METHODS
 
 
 def installed_vllm_version() -> str | None:
@@ -42,11 +51,13 @@ class Plan:
     method: str
     reasons: list[str] = field(default_factory=list)
     prediction: dict = field(default_factory=dict)
+    sparsity: str | None = None      # "2:4", "0.5", ... for the semi-structured family
+    sparse_kernel: bool = False      # the engine will run this sparsity with a sparse kernel
 
     def text(self) -> str:
         lines = [f"target: {self.target.display_name} ({self.target.name})",
                  f"engine: {self.engine} {self.engine_version}",
-                 f"method: {self.method}"]
+                 f"method: {self.method}" + (f" ({self.sparsity} sparsity)" if self.sparsity else "")]
         lines += [f"  why: {r}" for r in self.reasons]
         if self.prediction:
             p = self.prediction
@@ -58,18 +69,37 @@ class Plan:
         return "\n".join(lines)
 
 
-def choose(target: Profile, method: str, engine: str = "vllm", engine_version: str | None = None) -> Plan:
+def choose(target: Profile, method: str, engine: str = "vllm", engine_version: str | None = None,
+           sparsity: str = "2:4") -> Plan:
     if method not in METHODS:
         raise UserError(f"unknown method '{method}'; choose from: {', '.join(METHODS)}")
     version = engine_version or installed_vllm_version() or DEFAULT_VLLM
-    plan = Plan(target, engine, version, method if method in ("ddp", "activation") else STRUCTURED)
     has_kernel = target.has_sparse24_kernel(engine, version)
+    if method in ("auto", "structured"):
+        chosen = SEMI_STRUCTURED if method == "auto" and has_kernel else STRUCTURED
+    elif method == "semi-structured":
+        chosen = SEMI_STRUCTURED
+    else:
+        chosen = method
+    plan = Plan(target, engine, version, chosen)
     plan.reasons.append(target.sparse24_reason(engine, version))
-    if method in ("ddp", "activation"):
+    if is_sparse(chosen):
+        plan.sparsity = "2:4" if method == "auto" else sparsity
+        plan.sparse_kernel = has_kernel and plan.sparsity == "2:4"
+        if method == "auto":
+            plan.reasons.append("2:4 kernel → semi-structured 2:4: same shapes, half the weights zero, "
+                                "served by the sparse tensor cores")
+        elif plan.sparse_kernel:
+            plan.reasons.append(f"{method} requested; the engine runs 2:4 with its sparse kernel")
+        else:
+            why = ("no 2:4 kernel here" if plan.sparsity == "2:4"
+                   else f"no engine has a kernel for {plan.sparsity} sparsity")
+            plan.reasons.append(f"{method} requested, but {why}: the package serves dense-format weights "
+                                f"and no speedup is to be expected (use --method structured to be faster)")
+    elif method in STRUCTURED_METHODS:
         plan.reasons.append(f"{method} requested")
     elif has_kernel:
-        plan.reasons.append("2:4 would be served here, but the semi-structured methods are not in this "
-                            "build yet → structured (smaller on every GPU)")
+        plan.reasons.append("structured requested: smaller on every GPU, no sparse kernel needed")
     else:
         plan.reasons.append("no 2:4 kernel → structured: removing heads and channels makes the "
                             "model smaller, which is faster on any GPU and engine")
@@ -129,3 +159,36 @@ def roofline(target: Profile, adapter: DecoderAdapter, config, shape: BlockShape
             "prefill_speedup": dense[0] / pruned[0], "decode_speedup_b1": dense[1] / pruned[1],
             "decode_speedup_b16": dense[2] / pruned[2], "weight_bytes_ratio": dense[3] / pruned[3],
             "dense_decode_ms_b1": dense[1] * 1e3, "pruned_decode_ms_b1": pruned[1] * 1e3}
+
+
+def roofline_sparse(target: Profile, adapter: DecoderAdapter, config, kernel: bool,
+                    prompt_tokens: int = 512, context_tokens: int = 512, bytes_per_value: int = 2) -> dict:
+    """The same roofline for a 2:4 package: without a kernel nothing changes (1.00x); with one,
+    the blocks' matmuls run at the sparse peak and stream compressed weights (half the values
+    plus 2 bits of position metadata per kept value: 0.5625 of the dense bytes in bf16)."""
+    peak = target.peak_bf16_dense_tflops * 1e12
+    sparse_peak = (target.peak_bf16_sparse24_tflops or target.peak_bf16_dense_tflops) * 1e12
+    bw = target.memory_bandwidth_gbps * 1e9
+    dense_shape = adapter.dense_shape(config)
+    blocks, kv, attn_width, embed = _model_cost(adapter, config, dense_shape)
+    blocks -= embed                                          # _model_cost counted the LM head in
+    byte_factor = (0.5 + 0.5 * 2 / 8 / bytes_per_value) if kernel else 1.0
+
+    def times(sparse: bool):
+        f, b = (byte_factor, sparse_peak) if sparse and kernel else (1.0, peak)
+        weight_bytes = (blocks * f + embed + (0 if config.tie_word_embeddings else embed)) * bytes_per_value
+        L = prompt_tokens
+        prefill = max(2 * blocks * L / b + (2 * embed * L + 2 * L * L * attn_width) / peak, weight_bytes / bw)
+
+        def decode(batch):
+            flops = batch * 2 * blocks / b + batch * (2 * embed + 4 * context_tokens * attn_width) / peak
+            moved = weight_bytes + batch * context_tokens * kv * bytes_per_value
+            return max(flops, moved / bw)
+        return prefill, decode(1), decode(16), weight_bytes
+
+    dense, sparse = times(False), times(True)
+    return {"prompt_tokens": prompt_tokens, "context_tokens": context_tokens,
+            "prefill_speedup": dense[0] / sparse[0], "decode_speedup_b1": dense[1] / sparse[1],
+            "decode_speedup_b16": dense[2] / sparse[2], "weight_bytes_ratio": dense[3] / sparse[3],
+            "dense_decode_ms_b1": dense[1] * 1e3, "pruned_decode_ms_b1": sparse[1] * 1e3,
+            "sparse_kernel": kernel}

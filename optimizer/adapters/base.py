@@ -54,6 +54,16 @@ class DecoderAdapter:
         m = block.mlp
         return m.gate_proj, m.up_proj, m.down_proj
 
+    def norms(self, block) -> tuple[nn.Module, nn.Module]:
+        """The RMSNorms feeding attention and the MLP (SI folds input scales into their weights)."""
+        return block.input_layernorm, block.post_attention_layernorm
+
+    def input_widths(self, config) -> dict[str, int]:
+        """Input features of the block's Linears, from the config alone (N:M checks before loading)."""
+        return {"q/k/v/gate/up_proj": config.hidden_size,
+                "o_proj": config.num_attention_heads * self.head_dim(config),
+                "down_proj": config.intermediate_size}
+
     def linears(self, block) -> dict[str, nn.Linear]:
         """The block's prunable matmuls by their name inside the block (N:M pruning acts on these)."""
         names = {id(m): n for n, m in block.named_modules()}

@@ -1,0 +1,362 @@
+"""RoI — Reservoir of Importance: learned N:M masks by differentiable subset sampling
+(seed 002; methods.md §2).
+
+Only mask logits train; the weights stay frozen. One logit φ per weight (the shape of every
+prunable Linear weight, O(M) per group of M — MaskLLM needs C(M, N) per group). Choosing N of
+the M weights of a group without replacement with probability ∝ exp(λφ) is the top-N of the
+Gumbel-perturbed keys r = λφ + g (weighted reservoir sampling ≡ Gumbel-top-k). Relaxation,
+per group, in z = r / τ:
+
+    khot = 0;  for i = 1..N:  p_i = softmax(z);  khot += p_i;  z ← z + 2·log(1 − p_i)
+
+The forward uses the hard top-N of the keys, the backward the gradient of the soft khot
+(straight-through: mask = hard + khot − khot.detach(), exactly 0/1 in the forward).
+
+Why `z ← z + 2·log(1 − p)` and not the spec's `r ← r + log(1 − p)` (i.e. z += log(1−p)/τ):
+with the spec's update khot leaves [0, 1] for every τ ≠ 0.5 (measured on random keys, 2:4:
+max khot 1.50 at τ = 1, 1.48 at τ = 0.01 — an element picked "twice"), and the two agree at
+τ = 0.5. With a fixed z-space factor 2 the second pick is p_j(1−p_j)² / Σ_k p_k(1−p_k)², for
+which khot_j ≤ 1 is provable (1 − p_k ≥ p_j for k ≠ j), so for N ≤ 2 (2:4, 2:8, 1:4) the soft
+mask lies in [0, 1] at every τ and sums to N. For N ≥ 3 near-ties can still push an entry
+above 1 (no sequential softmax with finite suppression can prevent it), so the soft mask used
+for the gradient is clamped to [0, 1]; the forward is the hard mask either way. log(1 − p) of
+a group's leading entry is computed in log space (p rounds to 1 in fp32 once the gap in z
+exceeds ~17, and a clamp would let it be picked again).
+
+τ anneals high → low (soft gradient sharper) and λ low → high (sampling from exploratory to
+deterministic), geometrically over cfg.steps; the exported mask is the deterministic top-N of
+φ per group (`decide`).
+
+Objective: KL(teacher ‖ student) on the logits (knowledge distillation). The teacher is the
+same frozen model with the masks switched off under no_grad — no second copy of the weights.
+KD rather than next-token CE: the target is "behave like the dense model", its soft targets
+carry far more signal per token than one label, and it needs no labels beyond the input ids.
+
+Initialisation from a one-shot prior (`init_from_scores`, e.g. `wanda_prior`): per group,
+φ = init_scale · standardised log-score, so the prior's top-N is the initial argmax and the
+margins are a few units (at λ = scale_start the Gumbel noise still flips near-ties).
+
+Masks act through a torch parametrization on each Linear's `weight` (weight = W ⊙ mask in
+the forward; the frozen W is not copied). Modes: "off" (dense teacher), "sample" (training),
+"hard" (deterministic top-N of φ, to evaluate the learned mask before `apply`).
+
+Memory: φ is fp32, one per prunable weight, plus Adam's two moments: 3× the prunable fp32
+weights (SmolLM2-135M: 106M → 0.42 GB + 0.85 GB). φ could be kept in bf16 later (its range
+is small and only its per-group order matters at export), halving the logits; keep the Adam
+moments fp32. `state_bytes()` reports the figure.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.utils.checkpoint import checkpoint
+
+from optimizer.adapters import DecoderAdapter
+from optimizer.sparsity import Sparsity
+
+
+@dataclass
+class RoIConfig:
+    steps: int = 200
+    lr: float = 0.05            # Adam on φ; φ spans a few units per group, so ~0.05/step lets a
+                                # near-tie flip within tens of steps while the prior's clear
+                                # choices (gaps of several units) survive noisy batches
+    tau_start: float = 1.0      # relaxation temperature (z = r / τ), annealed geometrically
+    tau_end: float = 0.1
+    scale_start: float = 1.0    # logit scale λ in r = λφ + g, annealed geometrically
+    scale_end: float = 10.0
+    init_scale: float = 3.0     # φ = init_scale · per-group standardised log prior score
+    checkpoint: bool = True     # recompute the relaxation in the backward (saves ~N·M-fold
+                                # activation memory of the soft masks; keeps only g)
+    seed: int = 0
+
+
+# --- the relaxation ---------------------------------------------------------------------------
+
+def _log1m_softmax(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """log(1 − p) for p = softmax(z) along the last dim, accurate also where p rounds to 1."""
+    top = z.argmax(-1, keepdim=True)
+    rest = torch.logsumexp(z.scatter(-1, top, float("-inf")), -1, keepdim=True) - z.gather(-1, top)
+    # Only the leading entry can exceed 1/2; the others use log1p(−p) (accurate for p ≤ 1/2).
+    # For the leading one: 1 − p = S / (1 + S) with S = Σ_{k≠top} exp(z_k − z_top).
+    return torch.log1p(-p.scatter(-1, top, 0.0)).scatter(-1, top, -F.softplus(-rest))
+
+
+def relaxed_khot(keys: torch.Tensor, n: int, tau: float) -> torch.Tensor:
+    """Soft k-hot over the last dim (groups of M): sums to n; in [0, 1] for n ≤ 2 (module doc)."""
+    z = keys.float() / tau
+    khot = torch.zeros_like(z)
+    for i in range(n):
+        p = torch.softmax(z, -1)
+        khot = khot + p
+        if i + 1 < n:
+            z = z + 2.0 * _log1m_softmax(z, p)
+    return khot
+
+
+def hard_topn(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """0/1 float mask of the top-n over the last dim."""
+    out = torch.zeros_like(keys, dtype=torch.float32)
+    return out.scatter_(-1, keys.topk(n, dim=-1).indices, 1.0)
+
+
+def _soft(phi: torch.Tensor, g: torch.Tensor, n: int, m: int, tau: float, scale: float) -> torch.Tensor:
+    keys = (scale * phi + g).reshape(phi.shape[0], -1, m)
+    return relaxed_khot(keys, n, tau).clamp(0.0, 1.0).reshape(phi.shape)
+
+
+def sample_mask(phi: torch.Tensor, g: torch.Tensor, n: int, m: int, tau: float, scale: float,
+                use_checkpoint: bool = False) -> torch.Tensor:
+    """Straight-through N:M mask: hard top-n of λφ + g per group in the forward, soft gradient."""
+    with torch.no_grad():
+        hard = hard_topn((scale * phi + g).reshape(phi.shape[0], -1, m), n).reshape(phi.shape)
+    if use_checkpoint and phi.requires_grad:
+        soft = checkpoint(_soft, phi, g, n, m, tau, scale, use_reentrant=False)
+    else:
+        soft = _soft(phi, g, n, m, tau, scale)
+    return hard + (soft - soft.detach())  # exactly `hard` in the forward
+
+
+def gumbel(shape, generator: torch.Generator, device=None) -> torch.Tensor:
+    u = torch.rand(shape, generator=generator, device=device).clamp_(1e-10, 1.0 - 1e-7)
+    return -torch.log(-torch.log(u))
+
+
+def prior_logits(scores: torch.Tensor, m: int, init_scale: float) -> torch.Tensor:
+    """φ from a one-shot score (higher = keep): per-group standardised log-score × init_scale.
+    Monotone within each group, so the prior's top-N is φ's top-N."""
+    x = torch.log(scores.detach().float().clamp_min(torch.finfo(torch.float32).tiny))
+    g = x.reshape(x.shape[0], -1, m)
+    g = (g - g.mean(-1, keepdim=True)) / (g.std(-1, keepdim=True) + 1e-6)
+    return (init_scale * g).reshape(x.shape)
+
+
+# --- Wanda prior -------------------------------------------------------------------------------
+
+@torch.no_grad()
+def wanda_prior(model, adapter: DecoderAdapter, windows: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """Wanda scores |W_ij|·‖x_j‖₂ for every prunable Linear, from ONE pass of the (dense) model
+    over `windows` [n, seq] (unlike the block runner, later blocks see dense inputs). Call it
+    before building RoI, or with `roi.mode = "off"`."""
+    sq, handles = [], []
+    for block in adapter.blocks(model):
+        d = {}
+        for name, lin in adapter.linears(block).items():
+            d[name] = torch.zeros(lin.in_features, dtype=torch.float64, device=lin.weight.device)
+
+            def hook(_m, args, _y, name=name, d=d):
+                x = args[0].reshape(-1, args[0].shape[-1]).double()
+                d[name] += (x * x).sum(0)
+            handles.append(lin.register_forward_hook(hook))
+        sq.append(d)
+    try:
+        for w in windows:
+            model(w[None], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return [{name: lin.weight.detach().float().abs() * d[name].sqrt().float()[None, :]
+             for name, lin in adapter.linears(block).items()}
+            for block, d in zip(adapter.blocks(model), sq)]
+
+
+# --- the method --------------------------------------------------------------------------------
+
+class _Mask(nn.Module):
+    """Parametrization weight → weight ⊙ mask, the mask provided by the owning RoI."""
+
+    def __init__(self, roi: "RoI", block: int, name: str):
+        super().__init__()
+        self.__dict__["roi"] = roi  # a plain reference: φ must not become a model parameter
+        self.block, self.name = block, name
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        mask = self.roi._mask_for(self.block, self.name)
+        return w if mask is None else w * mask.to(w.dtype)
+
+
+class RoI:
+    def __init__(self, model, adapter: DecoderAdapter, sparsity: Sparsity, cfg: RoIConfig):
+        if not sparsity.is_nm:
+            raise ValueError(f"RoI learns N:M masks; got {sparsity}")
+        self.model, self.adapter, self.sparsity, self.cfg = model, adapter, sparsity, cfg
+        self.n, self.m = sparsity.n, sparsity.m
+        self.step_count = 0
+        self.mode = "sample"
+        self._sampled: list[dict[str, torch.Tensor]] | None = None
+        self._requires_grad = {id(p): p.requires_grad for p in model.parameters()}
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.linears = [adapter.linears(b) for b in adapter.blocks(model)]
+        self.phi: list[dict[str, nn.Parameter]] = []
+        for i, lins in enumerate(self.linears):
+            d = {}
+            for name, lin in lins.items():
+                sparsity.check_shape(lin.in_features, name)
+                d[name] = nn.Parameter(torch.zeros(lin.weight.shape, dtype=torch.float32, device=lin.weight.device))
+            self.phi.append(d)
+        self.params = [p for d in self.phi for p in d.values()]
+        self.opt = torch.optim.Adam(self.params, lr=cfg.lr)
+        self.gen = torch.Generator(device=self.params[0].device).manual_seed(cfg.seed)
+        for i, lins in enumerate(self.linears):
+            for name, lin in lins.items():
+                parametrize.register_parametrization(lin, "weight", _Mask(self, i, name), unsafe=True)
+        self._attached = True
+
+    # --- masks in the forward --------------------------------------------------------------------
+    def _mask_for(self, block: int, name: str) -> torch.Tensor | None:
+        if self.mode == "off":
+            return None
+        if self.mode == "hard":
+            return self.sparsity.mask(self.phi[block][name].detach()).float()
+        if self._sampled is None:
+            raise RuntimeError("RoI in 'sample' mode outside step(); set roi.mode = 'hard' or 'off'")
+        return self._sampled[block][name]
+
+    def _sample_all(self, tau: float, scale: float) -> list[dict[str, torch.Tensor]]:
+        # Noise is drawn in a fixed order (block, then Linear) from the seeded generator.
+        return [{name: sample_mask(phi, gumbel(phi.shape, self.gen, phi.device), self.n, self.m,
+                                   tau, scale, self.cfg.checkpoint)
+                 for name, phi in d.items()} for d in self.phi]
+
+    # --- schedule ---------------------------------------------------------------------------------
+    def _t(self) -> float:
+        return min(1.0, self.step_count / max(1, self.cfg.steps - 1))
+
+    def tau(self) -> float:
+        c = self.cfg
+        return c.tau_start * (c.tau_end / c.tau_start) ** self._t()
+
+    def scale(self) -> float:
+        c = self.cfg
+        return c.scale_start * (c.scale_end / c.scale_start) ** self._t()
+
+    # --- init ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_from_scores(self, scores: list[dict[str, torch.Tensor]]) -> None:
+        """φ from one-shot scores (same shapes as the weights, higher = keep)."""
+        for d, s in zip(self.phi, scores):
+            for name, phi in d.items():
+                phi.copy_(prior_logits(s[name].to(phi.device), self.m, self.cfg.init_scale))
+
+    # --- observe: one optimisation step ---------------------------------------------------------------
+    def kd_loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """KL(teacher ‖ student) per token, student under the current mode."""
+        mode = self.mode
+        with torch.no_grad():
+            self.mode = "off"
+            teacher = F.log_softmax(self.model(input_ids, use_cache=False).logits.float(), dim=-1)
+            self.mode = mode
+        student = F.log_softmax(self.model(input_ids, use_cache=False).logits.float(), dim=-1)
+        return F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
+
+    def step(self, input_ids: torch.Tensor) -> dict:
+        tau, scale = self.tau(), self.scale()
+        self.mode = "sample"
+        self._sampled = self._sample_all(tau, scale)
+        try:
+            loss = self.kd_loss(input_ids)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+        finally:
+            self._sampled = None
+        self.opt.step()
+        self.step_count += 1
+        return {"loss": loss.item(), "tau": tau, "scale": scale, "step": self.step_count}
+
+    @torch.no_grad()
+    def eval_loss(self, input_ids: torch.Tensor, mode: str = "hard") -> float:
+        """KD loss of the deterministic mask (mode 'hard') without training."""
+        old, self.mode = self.mode, mode
+        try:
+            return self.kd_loss(input_ids).item()
+        finally:
+            self.mode = old
+
+    # --- decide / apply ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decide(self) -> list[dict[str, torch.Tensor]]:
+        """Keep-masks per block: the deterministic top-N of φ in every group of M."""
+        return [{name: self.sparsity.mask(phi.detach()) for name, phi in d.items()} for d in self.phi]
+
+    def remove(self) -> None:
+        """Detach from the model (weights back as they were, dense), restore requires_grad."""
+        if not self._attached:
+            return
+        for lins in self.linears:
+            for lin in lins.values():
+                parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
+        for p in self.model.parameters():
+            p.requires_grad_(self._requires_grad.get(id(p), p.requires_grad))
+        self._attached = False
+
+    @torch.no_grad()
+    def apply(self) -> list[dict[str, torch.Tensor]]:
+        """Zero the pruned weights in place, remove the parametrizations; returns the masks."""
+        masks = self.decide()
+        self.remove()
+        for lins, keep in zip(self.linears, masks):
+            for name, lin in lins.items():
+                lin.weight.mul_(keep[name].to(lin.weight.device))
+        return masks
+
+    # --- memory figure ---------------------------------------------------------------------------------
+    def state_bytes(self) -> dict:
+        """Trainable-state bytes (φ + Adam moments) and their ratio to the model's bytes.
+        Adam's moments are allocated at the first step; before that they are projected."""
+        logits = sum(p.numel() * p.element_size() for p in self.params)
+        st = [self.opt.state.get(p, {}) for p in self.params]
+        adam = sum(v.numel() * v.element_size() for s in st for k, v in s.items()
+                   if torch.is_tensor(v) and k in ("exp_avg", "exp_avg_sq"))
+        if adam == 0:
+            adam = 2 * logits
+        model = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        prunable = sum(p.numel() for p in self.params)
+        return {"logits": logits, "adam": adam, "total": logits + adam, "model": model,
+                "ratio": (logits + adam) / model, "logits_per_prunable_weight": logits / prunable / 4,
+                "prunable_weights": prunable}
+
+    # --- checkpoint / resume ---------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"phi": [{k: v.detach().cpu() for k, v in d.items()} for d in self.phi],
+                "opt": self.opt.state_dict(), "step": self.step_count, "config": asdict(self.cfg),
+                "sparsity": str(self.sparsity), "gen": self.gen.get_state()}
+
+    def save(self, path: Path | str) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(self.state(), tmp)
+        os.replace(tmp, path)
+
+    def load(self, path: Path | str) -> bool:
+        """Resume from `path` if it holds a run with the same configuration and pattern."""
+        path = Path(path)
+        if not path.is_file():
+            return False
+        state = torch.load(path, weights_only=False)
+        if state["config"] != asdict(self.cfg) or state["sparsity"] != str(self.sparsity):
+            return False
+        with torch.no_grad():
+            for d, s in zip(self.phi, state["phi"]):
+                for name, phi in d.items():
+                    phi.copy_(s[name])
+        self.opt.load_state_dict(state["opt"])
+        self.step_count = state["step"]
+        self.gen.set_state(state["gen"])
+        return True
+
+
+def bytes_str(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+__all__ = ["RoI", "RoIConfig", "wanda_prior", "relaxed_khot", "sample_mask", "hard_topn", "prior_logits",
+           "bytes_str"]

@@ -1,0 +1,123 @@
+"""The optimize job for the semi-structured family: N:M (2:4, 4:8, ...) or unstructured zeros.
+
+Shapes do not change, so there is no surgery: the method zeroes weights in place (SparseGPT
+also updates the survivors), every Linear of the blocks is checked against the pattern, and
+the package is an ordinary checkpoint. Whether it is *faster* depends only on the engine:
+the compressed-tensors `sparsity_config` that makes vLLM use its 2:4 kernel is written only
+where the target profile says the engine version has one; everywhere else the report says
+plainly that the zeros are served densely and no speedup is to be expected.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from pathlib import Path
+
+import torch
+
+from exporters import vllm as vllm_export
+from optimizer import plan as planner
+from optimizer import report
+from optimizer.methods.magnitude import Magnitude
+from optimizer.methods.sparsegpt import SparseGPT
+from optimizer.methods.wanda import Wanda
+from optimizer.sequential import prune_blockwise
+from optimizer.sparsity import Sparsity, parse
+
+PRUNERS = {"magnitude": Magnitude, "wanda": Wanda, "sparsegpt": SparseGPT}
+
+
+def run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
+    from optimizer import load
+    from optimizer.pipeline import TOOL_VERSION, _calibration, _dense_quality, _quality
+    log = cfg.log
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    started = time.time()
+    sparsity = parse(plan.sparsity)
+    model, tok = load.load_model(source)
+    config = model.config
+    calib_text, train, _ = _calibration(cfg, model, tok)
+    windows = train[: cfg.calib_windows]
+    dense_ppl = _dense_quality(cfg, tok, source, model)  # before the weights change in place
+
+    t0 = time.time()
+    detail = prune(cfg, plan.method, model, adapter, windows, sparsity)
+    detail["wall_s"] = round(time.time() - t0, 1)
+    detail["calibration"] = {"source": calib_text.description, "tokens": windows.numel()}
+    achieved = check(model, adapter, sparsity)
+    log(f"{plan.method} {sparsity}: {achieved['zero_fraction']:.3f} of the blocks' Linear weights are zero "
+        f"({detail['wall_s']:.0f} s)")
+
+    quality = _quality(cfg, tok, source, dense_ppl, model) if dense_ppl is not None else {}
+    config_extra = None
+    if plan.sparse_kernel:
+        config_extra = vllm_export.sparse24_quantization_config(achieved["zero_fraction"])
+    engine = vllm_export.engine_section(target.kind, cfg.max_model_len, out.name)
+    engine["sparse24"] = {"config_written": config_extra is not None,
+                          "kernel_versions": list(target.engines["vllm"].sparse24_kernel)
+                          if "vllm" in target.engines else [],
+                          "dense_fallback_args": vllm_export.DENSE_FALLBACK_ARGS}
+    if config_extra is not None:
+        engine["image_version"] = _newest_allowed(engine["sparse24"]["kernel_versions"])
+        engine["requires"] = (f"vLLM {' or '.join(engine['sparse24']['kernel_versions'])} on {target.short_name} "
+                              f"for the 2:4 kernel; `serve` falls back to dense serving on other versions")
+    params = sum(p.numel() for p in model.parameters())
+    manifest = {
+        "schema": vllm_export.SCHEMA,
+        "format": "vllm",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "tool": {"name": "llm-deploy-optimizer", "version": TOOL_VERSION},
+        "source": {"model": source.description, "hf_dir": str(source.hf_dir),
+                   "architecture": (config.architectures or ["?"])[0], "family": adapter.family},
+        "target": {"name": target.name, "display_name": target.display_name, "kind": target.kind,
+                   "compute_capability": target.compute_capability},
+        "method": {"name": plan.method, "plan": plan.method, "layout": "semi-structured",
+                   "sparsity": str(sparsity), "sparse_kernel": plan.sparse_kernel, "seed": cfg.seed,
+                   **achieved, **detail},
+        "quality": {"perplexity": quality} if quality else {},
+        "size": {"params_dense": params, "params_pruned": params, "bf16_bytes_dense": 2 * params,
+                 "bf16_bytes_pruned": 2 * params,
+                 "ideal_ratio": plan.prediction.get("weight_bytes_ratio", 1.0)},
+        "plan": {"text": plan.text(), "reasons": plan.reasons, "prediction": plan.prediction,
+                 "engine": plan.engine, "engine_version": plan.engine_version},
+        "engine": engine,
+        "checks": {"pattern_complies": True, "zero_fraction": achieved["zero_fraction"]},
+        "wall_s": round(time.time() - started, 1),
+    }
+    vllm_export.write_package(tmp, out, model, tok, manifest, report.render_sparse(manifest),
+                              config_extra=config_extra)
+    log(f"package: {out.resolve()}  (serve it: serve {out})")
+    return {"plan": plan, "manifest": manifest, "out": out}
+
+
+def prune(cfg, method: str, model, adapter, windows: torch.Tensor, sparsity: Sparsity) -> dict:
+    """Run `method` on `model` in place; return what the manifest should say about the run."""
+    if method in PRUNERS:
+        prune_blockwise(model, adapter, windows, PRUNERS[method], sparsity, desc=f"{method} {sparsity}")
+        return {}
+    raise NotImplementedError(method)
+
+
+def check(model, adapter, sparsity: Sparsity) -> dict:
+    """Every pruned Linear complies with the pattern once cast to the package's bf16."""
+    zeros = total = 0
+    for i, block in enumerate(adapter.blocks(model)):
+        for name, lin in adapter.linears(block).items():
+            w = lin.weight.detach().to(torch.bfloat16)
+            if not sparsity.complies(w):
+                raise RuntimeError(f"internal check failed: block {i} {name} does not satisfy {sparsity}")
+            zeros += int((w == 0).sum())
+            total += w.numel()
+    return {"zero_fraction": zeros / total, "pruned_linear_params": total}
+
+
+def _newest_allowed(specs: list[str]) -> str:
+    """The Docker image for a package with the 2:4 config: the newest release the profile allows."""
+    for spec in specs:
+        for clause in spec.split(","):
+            if clause.strip().startswith("<="):
+                return clause.strip()[2:]
+    return planner.DEFAULT_VLLM
