@@ -20,6 +20,7 @@ from exporters import vllm as vllm_export
 from optimizer import plan as planner
 from optimizer import report
 from optimizer.methods.magnitude import Magnitude
+from optimizer.methods.si import SIConfig, prune_with_si
 from optimizer.methods.sparsegpt import SparseGPT
 from optimizer.methods.wanda import Wanda
 from optimizer.sequential import prune_blockwise
@@ -98,6 +99,14 @@ def prune(cfg, method: str, model, adapter, windows: torch.Tensor, sparsity: Spa
     if method in PRUNERS:
         prune_blockwise(model, adapter, windows, PRUNERS[method], sparsity, desc=f"{method} {sparsity}")
         return {}
+    if method.startswith("si+"):
+        si_cfg = SIConfig(steps=cfg.si_steps, seed=cfg.seed)
+        _, si = prune_with_si(model, adapter, windows, PRUNERS[method[3:]], sparsity, si_cfg)
+        chosen = [h["chosen"] for h in si.history]
+        return {"si": {**vars(si_cfg), "blocks_learned": chosen.count("learned"), "blocks_init": chosen.count("init"),
+                       "blocks_identity": chosen.count("identity"),
+                       "attention_bias": bool(getattr(model.config, "attention_bias", False)),
+                       "mlp_bias": bool(getattr(model.config, "mlp_bias", False))}}
     raise NotImplementedError(method)
 
 

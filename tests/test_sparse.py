@@ -227,3 +227,20 @@ def test_bad_sparse_input_is_one_line(tiny_dirs, text_file, tmp_path, args, mess
     assert r.exit_code == 2, r.output
     assert message in r.output and r.output.count("\n") == 1
     assert not out.exists() and not list(tmp_path.glob(".never*"))
+
+
+def test_si_package_keeps_the_pattern_and_its_biases(tiny_dirs, text_file, tmp_path):
+    out = tmp_path / "si"
+    r = _optimize([str(tiny_dirs["llama"]), "--target", "a100", "--method", "si+sparsegpt", "--si-steps", "2",
+                   "--calib", str(text_file), "--eval", str(text_file), "-o", str(out)], tmp_path)
+    assert r.exit_code == 0, r.output
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["method"]["si"]["steps"] == 2 and man["method"]["si"]["attention_bias"]
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.attention_bias and model.config.mlp_bias
+    adapter = get_adapter(model.config)
+    for block in adapter.blocks(model):
+        assert block.self_attn.q_proj.bias is not None and block.mlp.down_proj.bias is not None
+        for lin in adapter.linears(block).values():
+            assert parse("2:4").complies(lin.weight)

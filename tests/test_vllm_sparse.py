@@ -3,7 +3,8 @@
   h100-0.18   SparseGPT 2:4 for H100 + vLLM 0.18: config.json carries the compressed-tensors
               sparsity_config that vLLM 0.19+ refuses, so `serve` (package_command) adds the
               dense fallback override on this vLLM — the path a user takes off the target.
-  a100-4of8   magnitude 4:8 for A100: no kernel anywhere, a plain checkpoint with zeros.
+  a100-si-4of8  SI + magnitude 4:8 for A100: no kernel anywhere, a plain checkpoint with zeros
+              and the biases SI's shifts became (LLaMA attention_bias / mlp_bias).
 Both are started exactly as `serve` starts them (fp32 and eager added so greedy tokens can be
 compared with transformers on the same weights).
 """
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.vllm
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
 PACKAGES = {
     "h100-0.18": dict(target="h100", engine_version="0.18.0", method="sparsegpt", sparsity="2:4"),
-    "a100-4of8": dict(target="a100", method="magnitude", sparsity="4:8"),
+    "a100-si-4of8": dict(target="a100", method="si+magnitude", sparsity="4:8", si_steps=2),
 }
 
 
@@ -50,6 +51,9 @@ def test_vllm_serves_the_sparse_package_like_transformers(package, tmp_path):
     spec = PACKAGES[name]
     config_written = "quantization_config" in json.loads((pkg / "config.json").read_text())
     assert config_written == (name == "h100-0.18") == manifest["engine"]["sparse24"]["config_written"]
+    if name.startswith("a100-si"):
+        cfg = json.loads((pkg / "config.json").read_text())
+        assert cfg["attention_bias"] and cfg["mlp_bias"]
 
     # transformers reference on the same weights, without the engine-only sparsity metadata
     cfg = AutoConfig.from_pretrained(pkg)

@@ -1,0 +1,53 @@
+"""The peer tool's SparseGPT 2:4, run inside .venv-peer by bench/sparse.py (not by the product).
+
+Input: the model directory and the exact calibration token windows bench/sparse.py uses for
+our own SparseGPT (a torch file [n, seq]), so both tools see the same data. Output: the
+pruned checkpoint (plain dense tensors, no compression) and a JSON with the wall time of
+llm-compressor's `oneshot` alone.
+
+    .venv-peer/bin/python bench/peer_llmcompressor.py MODEL_DIR WINDOWS.pt OUT_DIR --threads 1
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("windows")
+    ap.add_argument("out")
+    ap.add_argument("--sparsity", default="2:4")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.pruning import SparseGPTModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    windows = torch.load(a.windows)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(a.model)
+    ds = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
+    recipe = [SparseGPTModifier(sparsity=0.5, mask_structure=a.sparsity, targets=["Linear"], ignore=["lm_head"])]
+    started = time.time()
+    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=windows.shape[1],
+            num_calibration_samples=len(windows))
+    wall = time.time() - started
+    # save plain tensors: the bench evaluates the weights, not the compressed storage format
+    model.save_pretrained(a.out, save_compressed=False)
+    tok.save_pretrained(a.out)
+    import llmcompressor
+    with open(f"{a.out}/peer.json", "w") as f:
+        json.dump({"tool": f"llm-compressor {llmcompressor.__version__}", "oneshot_wall_s": round(wall, 1),
+                   "windows": list(windows.shape), "threads": a.threads, "sparsity": a.sparsity}, f)
+    print(json.dumps({"oneshot_wall_s": wall}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The semi-structured family against llm-compressor, side by side (issue 5 figures).
+
+    .venv/bin/python bench/sparse.py                       # everything below; --reuse keeps finished runs
+    .venv/bin/python bench/sparse.py --runs sparsegpt:2:4 wanda:2:4 --no-peer
+    bench/setup_peer.sh                                    # once: llm-compressor in .venv-peer (optional)
+
+Protocol: SmolLM2-135M (embedded), calibration = the first --calib-windows windows of 2048
+tokens of WikiText-2 validation (the same token ids for our pruners and the peer), perplexity
+on the first --eval-windows windows of 2048 tokens of the WikiText-2 raw test split, fp32,
+--threads torch threads for every run. Each of our runs is the product's own path
+(`optimize(OptimizeConfig(method=..., sparsity=...))`, target h100 with vLLM 0.18 so 2:4
+packages carry the sparse config); its wall time is the pruning alone (manifest wall_s).
+The peer runs `oneshot` with SparseGPTModifier(mask_structure="2:4") in .venv-peer on the same
+windows (bench/peer_llmcompressor.py); its wall time is `oneshot` alone.
+
+Writes bench/results/sparse/sparse.json and sparse.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from optimizer import data as data_mod, evaluate, load  # noqa: E402
+from optimizer.pipeline import OptimizeConfig, _dense_perplexity, optimize  # noqa: E402
+
+DEFAULT_RUNS = ["magnitude:2:4", "wanda:2:4", "sparsegpt:2:4", "si+magnitude:2:4", "si+wanda:2:4",
+                "si+sparsegpt:2:4", "roi:2:4",
+                "magnitude:4:8", "wanda:4:8", "sparsegpt:4:8", "magnitude:2:8", "wanda:2:8", "sparsegpt:2:8"]
+PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, help="method:N:M entries")
+    ap.add_argument("--calib-windows", type=int, default=32)
+    ap.add_argument("--eval-windows", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--roi-steps", type=int, default=200)
+    ap.add_argument("--si-steps", type=int, default=20)
+    ap.add_argument("--no-peer", action="store_true", help="skip llm-compressor")
+    ap.add_argument("--reuse", action="store_true", help="keep results of runs already in the JSON")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sparse"))
+    args = ap.parse_args()
+
+    data = Path(args.data)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = ROOT / "out" / "sparse"
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    path = out / "sparse.json"
+    results = json.loads(path.read_text()) if (args.reuse and path.is_file()) else {"runs": {}}
+    source = load.resolve(None)
+    model, tok = load.load_model(source)
+    calib = data_mod.token_windows(tok, data_mod.read_text_file(data / "wikitext2-valid.txt").text, 2048,
+                                   args.calib_windows)
+    evalw = data_mod.token_windows(tok, data_mod.read_text_file(data / "wikitext2-raw-test.txt").text, 2048,
+                                   args.eval_windows)
+    results["protocol"] = {"model": source.description, "calib_windows": args.calib_windows, "seq_len": 2048,
+                           "eval_windows": args.eval_windows, "threads": args.threads, "roi_steps": args.roi_steps,
+                           "si_steps": args.si_steps, "command": " ".join(sys.argv)}
+    results["dense_ppl"] = _dense_perplexity(model, evalw, source)
+    del model
+    _save(results, path)
+
+    for run in args.runs:
+        method, pattern = run.split(":", 1)
+        if args.reuse and run in results["runs"]:
+            continue
+        pkg = work / f"{method}-{pattern.replace(':', 'of')}"
+        shutil.rmtree(pkg, ignore_errors=True)
+        r = optimize(OptimizeConfig(target="h100", engine_version="0.18.0", method=method, sparsity=pattern,
+                                    calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
+                                    calib_windows=args.calib_windows, eval_windows=args.eval_windows,
+                                    threads=args.threads, si_steps=args.si_steps, roi_steps=args.roi_steps, out=str(pkg),
+                                    log=lambda *a: print(*a, flush=True)))
+        m = r["manifest"]["method"]
+        results["runs"][run] = {"method": method, "sparsity": pattern, "ppl": r["manifest"]["quality"]["perplexity"]["pruned"],
+                                "wall_s": m["wall_s"], "zero_fraction": m["zero_fraction"],
+                                **{k: m[k] for k in ("si", "roi") if k in m}}
+        _save(results, path)
+
+    if not args.no_peer and PEER_PYTHON.is_file():
+        if not (args.reuse and "llm-compressor:2:4" in results["runs"]):
+            results["runs"]["llm-compressor:2:4"] = _peer(source, calib, evalw, work, args.threads)
+            _save(results, path)
+    elif not args.no_peer:
+        print(f"peer skipped: {PEER_PYTHON} missing (run bench/setup_peer.sh)")
+    (out / "sparse.md").write_text(table(results))
+    print(table(results))
+
+
+def _peer(source, calib, evalw, work: Path, threads: int) -> dict:
+    windows = work / "calib-windows.pt"
+    torch.save(calib, windows)
+    pkg = work / "peer-sparsegpt-2of4"
+    if not (pkg / "peer.json").is_file():
+        shutil.rmtree(pkg, ignore_errors=True)
+        subprocess.run([str(PEER_PYTHON), str(ROOT / "bench" / "peer_llmcompressor.py"), str(source.hf_dir),
+                        str(windows), str(pkg), "--threads", str(threads)], check=True)
+    peer = json.loads((pkg / "peer.json").read_text())
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(pkg)
+    if hasattr(cfg, "quantization_config"):  # its sparsity metadata; the weights are plain tensors
+        del cfg.quantization_config
+    model = AutoModelForCausalLM.from_pretrained(pkg, config=cfg, dtype=torch.float32).eval()
+    return {"method": peer["tool"], "sparsity": "2:4", "ppl": evaluate.perplexity(model, evalw, "peer perplexity"),
+            "wall_s": peer["oneshot_wall_s"], "threads": peer["threads"]}
+
+
+def _save(results: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def table(results: dict) -> str:
+    dense = results["dense_ppl"]
+    runs = results["runs"]
+    peer = runs.get("llm-compressor:2:4")
+    p = results["protocol"]
+    lines = [f"Dense perplexity {dense:.3f} ({p['eval_windows']} × 2048 tokens of WikiText-2 test); "
+             f"calibration {p['calib_windows']} × 2048 tokens of WikiText-2 validation; {p['threads']} torch thread(s).",
+             "", "| method | sparsity | PPL | excess PPL | vs peer excess | wall s | vs peer wall |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        excess = r["ppl"] - dense
+        vs = f"{excess / (peer['ppl'] - dense):.2f}×" if peer and r["sparsity"] == "2:4" else "—"
+        wall = f"{peer['wall_s'] / r['wall_s']:.1f}× faster" if peer and r["sparsity"] == "2:4" and r is not peer else "—"
+        lines.append(f"| {r['method']} | {r['sparsity']} | {r['ppl']:.3f} | {excess:.3f} | {vs} | {r['wall_s']:.0f} | {wall} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
