@@ -56,7 +56,7 @@ def one_line_errors(fn):
 @click.option("--steps", default=200, show_default=True, help="DDP gate-training steps.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted DDP run from its checkpoint.")
 @click.option("--si-steps", default=20, show_default=True, help="SI: optimisation steps per block.")
-@click.option("--roi-steps", default=200, show_default=True, help="RoI: mask-training steps.")
+@click.option("--roi-steps", default=40, show_default=True, help="RoI: mask-training steps (512 tokens each).")
 @one_line_errors
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads, budget, layout, steps, resume, si_steps, roi_steps):

@@ -70,7 +70,7 @@ class OptimizeConfig:
     checkpoint_every: int = 25
     sparsity: str = "2:4"             # semi-structured methods: N:M, or an unstructured fraction
     si_steps: int = 20                # SI: optimisation steps per block
-    roi_steps: int = 200              # RoI: mask-training steps
+    roi_steps: int = 40               # RoI: mask-training steps of 512 tokens (~30 min here on SmolLM2)
     log: callable = field(default=print, repr=False)
 
 
@@ -92,7 +92,8 @@ def validate(cfg: OptimizeConfig) -> None:
     if cfg.seq_len < 16 or cfg.calib_windows < 1 or (cfg.eval_windows is not None and cfg.eval_windows < 1):
         raise UserError("--seq-len must be >= 16 and window counts >= 1")
     if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":
-        sparsity.parse(cfg.sparsity)  # raises on a malformed pattern
+        if cfg.method == "roi" and not sparsity.parse(cfg.sparsity).is_nm:  # parse raises on a malformed pattern
+            raise UserError(f"--method roi learns N:M masks; --sparsity {cfg.sparsity} is unstructured")
         if cfg.layout != "uniform":
             raise UserError("--layout applies to structured methods; semi-structured pruning keeps every shape")
     for path, what in ((cfg.calib, "calibration file"), (cfg.eval, "evaluation file")):

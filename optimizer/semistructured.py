@@ -20,6 +20,7 @@ from exporters import vllm as vllm_export
 from optimizer import plan as planner
 from optimizer import report
 from optimizer.methods.magnitude import Magnitude
+from optimizer.methods.roi import RoI, RoIConfig, wanda_prior
 from optimizer.methods.si import SIConfig, prune_with_si
 from optimizer.methods.sparsegpt import SparseGPT
 from optimizer.methods.wanda import Wanda
@@ -107,7 +108,50 @@ def prune(cfg, method: str, model, adapter, windows: torch.Tensor, sparsity: Spa
                        "blocks_identity": chosen.count("identity"),
                        "attention_bias": bool(getattr(model.config, "attention_bias", False)),
                        "mlp_bias": bool(getattr(model.config, "mlp_bias", False))}}
+    if method == "roi":
+        return _train_roi(cfg, model, adapter, windows, sparsity)
     raise NotImplementedError(method)
+
+
+def _train_roi(cfg, model, adapter, windows: torch.Tensor, sparsity: Sparsity) -> dict:
+    """Wanda prior from one dense pass, then cfg.roi_steps of mask training on 512-token chunks
+    of the calibration windows (checkpointed every cfg.checkpoint_every steps; --resume)."""
+    import hashlib
+    import json
+
+    from tqdm import tqdm
+
+    from optimizer import load
+    from optimizer.pipeline import _batch_indices
+    roi_cfg = RoIConfig(steps=cfg.roi_steps, seed=cfg.seed)
+    seq = 512 if windows.shape[1] % 512 == 0 else windows.shape[1]
+    chunks = windows.reshape(-1, seq)
+    t0 = time.time()
+    prior = wanda_prior(model, adapter, windows)
+    prior_s = time.time() - t0
+    roi = RoI(model, adapter, sparsity, roi_cfg)
+    roi.init_from_scores(prior)
+    del prior
+    key = hashlib.sha256(json.dumps([str(model.config._name_or_path), str(sparsity), vars(roi_cfg), seq,
+                                     windows[:, :64].tolist()], default=str).encode()).hexdigest()[:16]
+    ckpt = load.cache_dir() / "runs" / f"roi-{key}.pt"
+    resumed_from = roi.step_count if (cfg.resume and roi.load(ckpt)) else 0
+    bar = tqdm(total=roi_cfg.steps, initial=roi.step_count, desc=f"RoI {sparsity} masks", unit="step")
+    stats = {}
+    while roi.step_count < roi_cfg.steps:
+        stats = roi.step(chunks[_batch_indices(len(chunks), 1, roi.step_count, cfg.seed)])
+        bar.set_postfix(kd=f"{stats['loss']:.3f}", tau=f"{stats['tau']:.2f}", scale=f"{stats['scale']:.1f}")
+        bar.update(1)
+        if roi.step_count % cfg.checkpoint_every == 0 or roi.step_count == roi_cfg.steps:
+            roi.save(ckpt)
+    bar.close()
+    memory = roi.state_bytes()
+    roi.apply()
+    return {"roi": {**vars(roi_cfg), "prior": "wanda (one dense pass)", "prior_s": round(prior_s, 1),
+                    "seq_len": seq, "tokens": roi_cfg.steps * seq, "resumed_from_step": resumed_from,
+                    "final": stats, "checkpoint": str(ckpt),
+                    "trainable_state_bytes": memory["total"], "model_bytes": memory["model"],
+                    "state_to_model_ratio": round(memory["ratio"], 3)}}
 
 
 def check(model, adapter, sparsity: Sparsity) -> dict:

@@ -244,3 +244,25 @@ def test_si_package_keeps_the_pattern_and_its_biases(tiny_dirs, text_file, tmp_p
         assert block.self_attn.q_proj.bias is not None and block.mlp.down_proj.bias is not None
         for lin in adapter.linears(block).values():
             assert parse("2:4").complies(lin.weight)
+
+
+def test_roi_package_trains_resumes_and_keeps_the_pattern(tiny_dirs, text_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
+    common = [str(tiny_dirs["llama"]), "--target", "h100", "--engine-version", "0.18.0", "--method", "roi",
+              "--calib", str(text_file), "--eval", str(text_file)]
+    r = _optimize([*common, "--roi-steps", "4", "-o", str(tmp_path / "a")], tmp_path)
+    assert r.exit_code == 0, r.output
+    roi = json.loads((tmp_path / "a" / "manifest.json").read_text())["method"]["roi"]
+    assert roi["steps"] == 4 and roi["resumed_from_step"] == 0 and roi["state_to_model_ratio"] > 0
+    # the same run again with --resume starts from the finished checkpoint and gives the same weights
+    r = _optimize([*common, "--roi-steps", "4", "--resume", "-o", str(tmp_path / "b")], tmp_path)
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["method"]["roi"]["resumed_from_step"] == 4
+    from safetensors.torch import load_file
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for k, w in a.items():
+        if k.endswith("proj.weight"):
+            assert parse("2:4").complies(w), k
+    r = _optimize([*common, "--sparsity", "0.5", "-o", str(tmp_path / "c")], tmp_path)
+    assert r.exit_code == 2 and "unstructured" in r.output
