@@ -57,9 +57,11 @@ def one_line_errors(fn):
 @click.option("--resume", is_flag=True, help="Continue an interrupted DDP run from its checkpoint.")
 @click.option("--si-steps", default=20, show_default=True, help="SI: optimisation steps per block.")
 @click.option("--roi-steps", default=40, show_default=True, help="RoI: mask-training steps (512 tokens each).")
+@click.option("--roi-prior", default="sparsegpt", show_default=True, type=click.Choice(["sparsegpt", "wanda"]),
+              help="RoI's one-shot start: SparseGPT's mask and weight update, or Wanda scores.")
 @one_line_errors
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
-             eval_windows, seq_len, seed, threads, budget, layout, steps, resume, si_steps, roi_steps):
+             eval_windows, seq_len, seed, threads, budget, layout, steps, resume, si_steps, roi_steps, roi_prior):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
@@ -72,7 +74,7 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
                        out=out, format=fmt, onnx_dtype=onnx_dtype, dry_run=dry_run, engine_version=engine_version, calib_windows=calib_windows,
                        eval_windows=None if eval_windows == "all" else int(eval_windows), seq_len=seq_len,
                        seed=seed, threads=threads, budget=budget, layout=layout, ddp_steps=steps, resume=resume,
-                       sparsity=sparsity, si_steps=si_steps, roi_steps=roi_steps))
+                       sparsity=sparsity, si_steps=si_steps, roi_steps=roi_steps, roi_prior=roi_prior))
 
 
 @click.command()

@@ -70,6 +70,7 @@ class OptimizeConfig:
     checkpoint_every: int = 25
     sparsity: str = "2:4"             # semi-structured methods: N:M, or an unstructured fraction
     si_steps: int = 20                # SI: optimisation steps per block
+    roi_prior: str = "sparsegpt"      # RoI's one-shot start: sparsegpt (mask + weight update) | wanda
     roi_steps: int = 40               # RoI: mask-training steps of 512 tokens (~30 min here on SmolLM2)
     log: callable = field(default=print, repr=False)
 
@@ -92,6 +93,8 @@ def validate(cfg: OptimizeConfig) -> None:
     if cfg.seq_len < 16 or cfg.calib_windows < 1 or (cfg.eval_windows is not None and cfg.eval_windows < 1):
         raise UserError("--seq-len must be >= 16 and window counts >= 1")
     if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":
+        if cfg.roi_prior not in ("sparsegpt", "wanda"):
+            raise UserError(f"--roi-prior must be 'sparsegpt' or 'wanda', got '{cfg.roi_prior}'")
         if cfg.method == "roi" and not sparsity.parse(cfg.sparsity).is_nm:  # parse raises on a malformed pattern
             raise UserError(f"--method roi learns N:M masks; --sparsity {cfg.sparsity} is unstructured")
         if cfg.layout != "uniform":

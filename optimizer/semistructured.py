@@ -114,8 +114,16 @@ def prune(cfg, method: str, model, adapter, windows: torch.Tensor, sparsity: Spa
 
 
 def _train_roi(cfg, model, adapter, windows: torch.Tensor, sparsity: Sparsity) -> dict:
-    """Wanda prior from one dense pass, then cfg.roi_steps of mask training on 512-token chunks
-    of the calibration windows (checkpointed every cfg.checkpoint_every steps; --resume)."""
+    """A one-shot prior, then cfg.roi_steps of mask training on 512-token chunks of the
+    calibration windows (checkpointed every cfg.checkpoint_every steps; --resume).
+
+    Priors (cfg.roi_prior):
+      wanda      Wanda scores from one dense pass; the frozen weights are the original ones.
+      sparsegpt  SparseGPT's block-by-block mask *and* its weight update: the frozen weights are
+                 SparseGPT's where it kept a weight and the original where it pruned one, so
+                 RoI starts exactly at SparseGPT's model and can still swap any weight back in.
+                 Costs one copy of the blocks' Linear weights in host memory while pruning.
+    """
     import hashlib
     import json
 
@@ -127,12 +135,24 @@ def _train_roi(cfg, model, adapter, windows: torch.Tensor, sparsity: Sparsity) -
     seq = 512 if windows.shape[1] % 512 == 0 else windows.shape[1]
     chunks = windows.reshape(-1, seq)
     t0 = time.time()
-    prior = wanda_prior(model, adapter, windows)
+    if cfg.roi_prior == "sparsegpt":
+        linears = [adapter.linears(b) for b in adapter.blocks(model)]
+        original = [{n: lin.weight.detach().clone() for n, lin in d.items()} for d in linears]
+        keeps = prune_blockwise(model, adapter, windows, SparseGPT, sparsity, desc=f"RoI prior: sparsegpt {sparsity}")
+        prior = []
+        with torch.no_grad():
+            for d, orig, keep in zip(linears, original, keeps):
+                for n, lin in d.items():
+                    lin.weight.copy_(torch.where(keep[n], lin.weight, orig[n]))
+                prior.append({n: keep[n].float().mul(2).exp() for n in d})  # kept e², pruned 1
+        del original, keeps
+    else:
+        prior = wanda_prior(model, adapter, windows)
     prior_s = time.time() - t0
     roi = RoI(model, adapter, sparsity, roi_cfg)
     roi.init_from_scores(prior)
     del prior
-    key = hashlib.sha256(json.dumps([str(model.config._name_or_path), str(sparsity), vars(roi_cfg), seq,
+    key = hashlib.sha256(json.dumps([str(model.config._name_or_path), str(sparsity), vars(roi_cfg), seq, cfg.roi_prior,
                                      windows[:, :64].tolist()], default=str).encode()).hexdigest()[:16]
     ckpt = load.cache_dir() / "runs" / f"roi-{key}.pt"
     resumed_from = roi.step_count if (cfg.resume and roi.load(ckpt)) else 0
@@ -147,7 +167,7 @@ def _train_roi(cfg, model, adapter, windows: torch.Tensor, sparsity: Sparsity) -
     bar.close()
     memory = roi.state_bytes()
     roi.apply()
-    return {"roi": {**vars(roi_cfg), "prior": "wanda (one dense pass)", "prior_s": round(prior_s, 1),
+    return {"roi": {**vars(roi_cfg), "prior": cfg.roi_prior, "prior_s": round(prior_s, 1),
                     "seq_len": seq, "tokens": roi_cfg.steps * seq, "resumed_from_step": resumed_from,
                     "final": stats, "checkpoint": str(ckpt),
                     "trainable_state_bytes": memory["total"], "model_bytes": memory["model"],

@@ -266,3 +266,18 @@ def test_roi_package_trains_resumes_and_keeps_the_pattern(tiny_dirs, text_file, 
             assert parse("2:4").complies(w), k
     r = _optimize([*common, "--sparsity", "0.5", "-o", str(tmp_path / "c")], tmp_path)
     assert r.exit_code == 2 and "unstructured" in r.output
+
+
+def test_roi_from_the_sparsegpt_prior_starts_exactly_at_sparsegpt(tiny_dirs, text_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
+    common = [str(tiny_dirs["qwen3"]), "--target", "a100", "--calib", str(text_file), "--eval", str(text_file)]
+    assert _optimize([*common, "--method", "sparsegpt", "-o", str(tmp_path / "s")], tmp_path).exit_code == 0
+    r = _optimize([*common, "--method", "roi", "--roi-steps", "0", "-o", str(tmp_path / "r")], tmp_path)
+    assert r.exit_code == 0, r.output
+    from safetensors.torch import load_file
+    a, b = load_file(tmp_path / "s" / "model.safetensors"), load_file(tmp_path / "r" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    r = _optimize([*common, "--method", "roi", "--roi-prior", "wanda", "--roi-steps", "2", "-o", str(tmp_path / "w")],
+                  tmp_path)
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "w" / "manifest.json").read_text())["method"]["roi"]["prior"] == "wanda"
