@@ -8,12 +8,16 @@ from __future__ import annotations
 from optimizer.adapters.base import BlockShape, DecoderAdapter
 from optimizer.adapters.llama import LlamaAdapter
 from optimizer.adapters.mistral import MistralAdapter
+from optimizer.adapters.mixtral import MixtralAdapter, MoEAdapter, MoEParts
 from optimizer.adapters.qwen2 import Qwen2Adapter
+from optimizer.adapters.qwen2_moe import Qwen2MoeAdapter
 from optimizer.adapters.qwen3 import Qwen3Adapter
+from optimizer.adapters.qwen3_moe import Qwen3MoeAdapter
 from optimizer.errors import UserError
 
 _ADAPTERS: dict[str, DecoderAdapter] = {
-    t: a() for a in (LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter) for t in a.model_types
+    t: a() for a in (LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter,
+                     MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter) for t in a.model_types
 }
 
 
@@ -28,4 +32,4 @@ def get_adapter(config) -> DecoderAdapter:
     return _ADAPTERS[model_type]
 
 
-__all__ = ["BlockShape", "DecoderAdapter", "get_adapter", "supported_model_types"]
+__all__ = ["BlockShape", "DecoderAdapter", "MoEAdapter", "MoEParts", "get_adapter", "supported_model_types"]

@@ -1,0 +1,122 @@
+"""DDP over MoE experts (methods.md §1): one gate logit z per routed expert per MoE layer.
+
+Same two phases and the same objective as `ddp.DDP` (whose μ / target schedules it reuses):
+the weights stay frozen; the forward multiplies each expert's output in the weighted expert
+sum by ReLU(z_e); the budget acts on s_e = clip(z_e / μ_t, 0, 1) through the augmented
+Lagrangian with dual ascent, plus the binarisation term; the loss is KL to the same model
+with the gates switched off.
+
+One thing experts need that heads and channels do not: an expert with ReLU(z) = 0 would
+still be *chosen* by the router and take one of the token's top-k slots, so the gated model
+would not be the model without that expert. The forward therefore also routes around
+experts with z ≤ 0 (router logit -inf, as `moe_surgery.masked_experts` does) — the trained
+model is then exactly the deployed one. That routing mask is a step function of z, but it
+costs no gradient: ReLU(z) already has none for z < 0. If fewer than top-k experts of a layer
+have z > 0, the highest-z ones stay routable (with gate 0) so routing remains defined.
+
+The cost of an expert is its parameter count (gate/up/down slices + router row), the same for
+every expert; retention is that of the routed experts (attention and shared experts are not
+gated here, so they are not in the budget).
+
+Observe = `step(batch)`; decide = `decide(n_keep)` → (keep, scales) for
+`moe_surgery.prune_experts` (same count in every MoE layer; the budget's count by default).
+Heads and KV groups of MoE models are not gated together with experts yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from optimizer.errors import UserError
+from optimizer.methods.ddp import DDP, DDPConfig
+from optimizer.moe_surgery import as_moe_adapter, moe_parts, route_hook, scale_hook
+
+
+class ExpertGates:
+    mu = DDP.mu          # μ held during the warm-up, then annealed geometrically to mu_end
+    target = DDP.target  # the retention target falls from 1 to cfg.retain over the warm-up
+
+    def __init__(self, model, adapter, cfg: DDPConfig):
+        self.model, self.adapter, self.cfg = model, as_moe_adapter(adapter), cfg
+        config = model.config
+        self.parts = moe_parts(model, self.adapter)
+        self.n, self.k = self.adapter.num_experts(config), self.adapter.experts_per_token(config)
+        self.z = nn.Parameter(torch.full((len(self.parts), self.n), cfg.init))
+        self.costs = torch.full(self.z.shape, float(self.adapter.expert_params(config)))  # parameters
+        self.dense_cost = self.costs.sum()
+        self.opt = torch.optim.Adam([self.z], lr=cfg.lr)
+        self.lam, self.step_count, self.enabled = 0.0, 0, True
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self._handles = []
+        for i, parts in enumerate(self.parts):
+            self._handles.append(parts.router.register_forward_hook(route_hook(self.adapter, lambda i=i: self._routable(i))))
+            self._handles.append(parts.experts.register_forward_pre_hook(
+                scale_hook(lambda i=i: F.relu(self.z[i]) if self.enabled else None), with_kwargs=True))
+
+    def _routable(self, layer: int) -> torch.Tensor | None:
+        if not self.enabled:
+            return None
+        z = self.z[layer].detach()
+        ok = z > 0
+        if ok.sum() < self.k:
+            ok[z.topk(self.k).indices] = True
+        return None if ok.all() else ok
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def scores(self, mu: float) -> torch.Tensor:
+        return (self.z / mu).clamp(0, 1)
+
+    def expected_retention(self, mu: float) -> torch.Tensor:
+        return (self.costs * self.scores(mu)).sum() / self.dense_cost
+
+    # --- observe: one optimisation step per batch ---------------------------------------------
+    def step(self, input_ids: torch.Tensor) -> dict:
+        cfg, mu = self.cfg, self.mu()
+        with torch.no_grad():
+            self.enabled = False
+            teacher = F.log_softmax(self.model(input_ids).logits.float(), dim=-1)
+            self.enabled = True
+        student = F.log_softmax(self.model(input_ids).logits.float(), dim=-1)
+        kd = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
+        target = self.target()
+        c = self.expected_retention(mu) - target
+        s = self.scores(mu)
+        gamma = cfg.gamma * min(1.0, self.step_count / max(1, cfg.steps - 1))
+        loss = kd + self.lam * c + cfg.beta / 2 * c * c + gamma * (s * (1 - s)).mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.lam += cfg.beta * c.item()
+        self.step_count += 1
+        return {"kd": kd.item(), "retain": c.item() + target, "target": target, "lambda": self.lam, "mu": mu}
+
+    # --- decide -------------------------------------------------------------------------------
+    def values(self) -> torch.Tensor:
+        """[MoE layers, E]: the forward gates ReLU(z), i.e. the scales surgery folds."""
+        return F.relu(self.z.detach())
+
+    def budget_count(self) -> int:
+        """Experts per MoE layer that fit the budget (all experts cost the same parameters)."""
+        n = math.floor(self.cfg.retain * self.n + 1e-9)
+        if n < self.k:
+            raise UserError(f"retain {self.cfg.retain} keeps {n} of {self.n} experts per layer, fewer than the "
+                            f"{self.k} every token is routed to")
+        return n
+
+    def decide(self, n_keep: int | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Per MoE layer, the `n_keep` experts with the largest z (ascending), their ReLU(z) as scales."""
+        n_keep = self.budget_count() if n_keep is None else n_keep
+        if not self.k <= n_keep <= self.n:
+            raise UserError(f"keep {n_keep} experts per layer: must be between top-k {self.k} and {self.n}")
+        z, v = self.z.detach(), self.values()
+        keep = [sorted(zl.topk(n_keep).indices.tolist()) for zl in z]
+        return keep, [vl[k] for vl, k in zip(v, keep)]
