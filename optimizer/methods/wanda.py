@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from optimizer.sparsity import Sparsity
+from optimizer.methods.magnitude import Magnitude
 
 
-class Wanda:
+class Wanda(Magnitude):
+    """Magnitude's prune() on a better score."""
     needs_data = True
 
     def __init__(self, layer: nn.Linear):
@@ -26,12 +27,6 @@ class Wanda:
 
     def scores(self) -> torch.Tensor:
         return self.layer.weight.detach().float().abs() * self.sq_sum.sqrt().float()[None, :]
-
-    @torch.no_grad()
-    def prune(self, sparsity: Sparsity) -> torch.Tensor:
-        keep = sparsity.mask(self.scores())
-        self.layer.weight.mul_(keep)
-        return keep
 
     def free(self) -> None:
         self.sq_sum = self.sum = None
