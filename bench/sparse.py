@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -52,7 +53,18 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true", help="skip llm-compressor")
     ap.add_argument("--reuse", action="store_true", help="keep results of runs already in the JSON")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sparse"))
+    ap.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                    help="only merge the runs of these result files into --out's and rewrite the table")
     args = ap.parse_args()
+    if args.merge:
+        path = Path(args.out) / "sparse.json"
+        results = json.loads(path.read_text())
+        for other in args.merge:
+            results["runs"].update(json.loads(Path(other).read_text())["runs"])
+        _save(results, path)
+        (Path(args.out) / "sparse.md").write_text(table(results))
+        print(table(results))
+        return
 
     data = Path(args.data)
     out = Path(args.out)
@@ -145,7 +157,14 @@ def _peer(source, calib, evalw, work: Path, threads: int) -> dict:
 
 
 def _save(results: dict, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
+    """Merge into the file rather than overwrite it: several bench processes (one per core,
+    different --runs) may share one results file."""
+    if path.is_file():
+        on_disk = json.loads(path.read_text())
+        results["runs"] = {**on_disk.get("runs", {}), **results["runs"]}
+        if "si_fast_update" in on_disk:
+            results.setdefault("si_fast_update", on_disk["si_fast_update"])
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(results, indent=2) + "\n")
     tmp.replace(path)
 
