@@ -60,7 +60,9 @@ def main() -> None:
         path = Path(args.out) / "sparse.json"
         results = json.loads(path.read_text())
         for other in args.merge:
-            results["runs"].update(json.loads(Path(other).read_text())["runs"])
+            other = json.loads(Path(other).read_text())
+            results["runs"].update(other["runs"])
+            results.setdefault("si_fast_update", other.get("si_fast_update"))
         _save(results, path)
         (Path(args.out) / "sparse.md").write_text(table(results))
         print(table(results))
