@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--budget", default="params", choices=["params", "latency"])
     ap.add_argument("--target", default="a100")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--prior-spread", type=float, default=0.0, help="DDP gates start ordered by one-shot importance")
     ap.add_argument("--eval-windows", default="all")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-baseline", action="store_true")
@@ -48,6 +49,7 @@ def main() -> None:
     results_path = out / f"ddp-{args.budget}.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {"levels": {}}
     results["protocol"] = {"target": args.target, "budget": args.budget, "steps": args.steps,
+                           "prior_spread": args.prior_spread,
                            "calib": str(data / "wikitext2-valid.txt"), "eval": str(data / "wikitext2-raw-test.txt"),
                            "eval_windows": args.eval_windows, "torch_threads": args.threads,
                            "command": " ".join(sys.argv)}
@@ -62,6 +64,7 @@ def main() -> None:
                 target=args.target, method=method, retain=retain, budget=args.budget,
                 calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
                 out=str(pkg), calib_windows=16, ddp_steps=args.steps, seq_len=2048, threads=args.threads,
+                ddp_prior_spread=args.prior_spread,
                 eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)))["manifest"]
             q = m["quality"]["perplexity"]
             level[method] = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),

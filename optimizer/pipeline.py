@@ -66,6 +66,7 @@ class OptimizeConfig:
     ddp_steps: int = 200
     ddp_batch: int = 4
     ddp_seq_len: int = 256
+    ddp_prior_spread: float = 0.0     # DDP: start gates ordered by one-shot importance (0 = dense start)
     resume: bool = False
     checkpoint_every: int = 25
     sparsity: str = "2:4"             # semi-structured methods: N:M, or an unstructured fraction
@@ -322,8 +323,15 @@ def _observe_activation(cfg, model, adapter, train: torch.Tensor):
 
 
 def _observe_ddp(cfg, model, adapter, train: torch.Tensor, costs, source, calib_text):
-    ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=cfg.ddp_batch, seed=cfg.seed)
+    ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=cfg.ddp_batch, seed=cfg.seed,
+                        prior_spread=cfg.ddp_prior_spread)
     ddp = DDP(model, adapter, ddp_cfg, UnitCosts(*costs))
+    if ddp_cfg.prior_spread > 0:
+        with torch.no_grad():
+            ddp.gates.enabled = False
+            prior, _ = _observe_activation(cfg, model, adapter, train)
+            ddp.gates.enabled = True
+        ddp.init_from(prior.head_scores, prior.channel_scores)
     seq = cfg.ddp_seq_len if cfg.seq_len % cfg.ddp_seq_len == 0 else cfg.seq_len
     chunks = train.reshape(-1, seq)
     key = hashlib.sha256(json.dumps([str(source.hf_dir), calib_text.description, cfg.seq_len, cfg.budget,

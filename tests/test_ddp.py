@@ -96,3 +96,22 @@ def test_runs_are_deterministic_under_a_seed_and_resume_exactly(tmp_path):
     torch.testing.assert_close(second.gates.channel, a.gates.channel)
     assert not DDP(model, adapter, DDPConfig(retain=0.4), UnitCosts.params(adapter, model.config)).load(
         tmp_path / "ckpt.pt"), "a checkpoint of another configuration must not be resumed"
+
+
+def test_importance_prior_orders_the_gates_without_leaving_the_band():
+    import torch
+    from conftest import tiny_model
+    from optimizer.adapters import get_adapter
+    from optimizer.methods.activation import ActivationImportance
+    from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    imp = ActivationImportance(model, adapter)
+    imp.add_batch(model, torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0)))
+    imp.remove_hooks()
+    ddp = DDP(model, adapter, DDPConfig(retain=0.5, steps=4, prior_spread=0.2), UnitCosts.params(adapter, model.config))
+    ddp.init_from(imp.head_scores, imp.channel_scores)
+    z = ddp.gates.channel.detach()
+    assert (z - 1).abs().max() <= 0.2 + 1e-6
+    for layer, scores in enumerate(imp.channel_scores):  # the ordering follows the importance
+        assert torch.equal(z[layer].argsort(), scores.argsort()) or torch.corrcoef(torch.stack([z[layer], scores.log()]))[0, 1] > 0.99

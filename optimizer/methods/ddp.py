@@ -45,6 +45,7 @@ class DDPConfig:
     mu_end: float = 0.05
     init: float = 1.0          # ReLU(1) = 1: training starts from the dense model
     warmup: float = 0.5        # fraction of steps over which the target falls from 1 to retain
+    prior_spread: float = 0.0  # >0: start z at init ± spread ordered by activation importance (init_from)
     seed: int = 0
 
 
@@ -165,6 +166,23 @@ class DDP:
         self.lam += cfg.beta * c.item()
         self.step_count += 1
         return {"kd": kd.item(), "retain": c.item() + target, "target": target, "lambda": self.lam, "mu": mu}
+
+    def init_from(self, head_scores: list[torch.Tensor], channel_scores: list[torch.Tensor]) -> None:
+        """Break the gates' symmetry with a one-shot importance (ActivationImportance scores).
+
+        Started all at `init`, every gate feels the same budget pull and the KD gradient alone
+        must sort them; spreading them by ± prior_spread (standardised log-importance, squashed
+        by tanh, across all layers per kind) makes the least important units reach zero first,
+        so training refines the one-shot ordering instead of discovering one."""
+        def spread(scores):
+            x = torch.stack(scores).float().clamp_min(1e-30).log()
+            return self.cfg.prior_spread * torch.tanh((x - x.mean()) / (x.std() + 1e-6))
+        g = self.gates
+        with torch.no_grad():
+            g.head.copy_(self.cfg.init + spread(head_scores))
+            kv = torch.stack(head_scores).view(self.layers, self.dense.num_kv_heads, g.group).sum(-1)
+            g.kv.copy_(self.cfg.init + spread(list(kv)))
+            g.channel.copy_(self.cfg.init + spread(channel_scores))
 
     # --- checkpoint / resume ------------------------------------------------------------------
     def state(self) -> dict:
