@@ -44,7 +44,7 @@ PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
-    ap.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, help="method:N:M entries")
+    ap.add_argument("--runs", nargs="*", default=DEFAULT_RUNS, help="method:N:M entries")
     ap.add_argument("--calib-windows", type=int, default=32)
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
@@ -91,6 +91,12 @@ def main() -> None:
     del model
     _save(results, path)
 
+    if not args.no_peer and PEER_PYTHON.is_file():
+        if not (args.reuse and "llm-compressor:2:4" in results["runs"]):
+            results["runs"]["llm-compressor:2:4"] = _peer(source, calib, evalw, work, args.threads)
+            _save(results, path)
+    elif not args.no_peer:
+        print(f"peer skipped: {PEER_PYTHON} missing (run bench/setup_peer.sh)")
     for run in args.runs:
         method, pattern = run.split(":", 1)
         if args.reuse and run in results["runs"]:
@@ -108,12 +114,6 @@ def main() -> None:
                                 **{k: m[k] for k in ("si", "roi") if k in m}}
         _save(results, path)
 
-    if not args.no_peer and PEER_PYTHON.is_file():
-        if not (args.reuse and "llm-compressor:2:4" in results["runs"]):
-            results["runs"]["llm-compressor:2:4"] = _peer(source, calib, evalw, work, args.threads)
-            _save(results, path)
-    elif not args.no_peer:
-        print(f"peer skipped: {PEER_PYTHON} missing (run bench/setup_peer.sh)")
     (out / "sparse.md").write_text(table(results))
     print(table(results))
 
