@@ -143,7 +143,7 @@ def si_fast_update(model, windows: torch.Tensor) -> dict:
 def _peer(source, calib, evalw, work: Path, threads: int) -> dict:
     windows = work / "calib-windows.pt"
     torch.save(calib, windows)
-    pkg = work / "peer-sparsegpt-2of4"
+    pkg = work / f"peer-sparsegpt-2of4-w{len(calib)}"
     if not (pkg / "peer.json").is_file():
         shutil.rmtree(pkg, ignore_errors=True)
         subprocess.run([str(PEER_PYTHON), str(ROOT / "bench" / "peer_llmcompressor.py"), str(source.hf_dir),
