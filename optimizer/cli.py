@@ -57,7 +57,7 @@ def one_line_errors(fn):
 @click.option("--resume", is_flag=True, help="Continue an interrupted DDP run from its checkpoint.")
 @click.option("--si-steps", default=20, show_default=True, help="SI: optimisation steps per block.")
 @click.option("--roi-steps", default=40, show_default=True, help="RoI: mask-training steps (512 tokens each).")
-@click.option("--roi-prior", default="sparsegpt", show_default=True, type=click.Choice(["sparsegpt", "wanda"]),
+@click.option("--roi-prior", default="wanda", show_default=True, type=click.Choice(["wanda", "sparsegpt"]),
               help="RoI's one-shot start: SparseGPT's mask and weight update, or Wanda scores.")
 @one_line_errors
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,

@@ -71,7 +71,7 @@ class OptimizeConfig:
     checkpoint_every: int = 25
     sparsity: str = "2:4"             # semi-structured methods: N:M, or an unstructured fraction
     si_steps: int = 20                # SI: optimisation steps per block
-    roi_prior: str = "sparsegpt"      # RoI's one-shot start: sparsegpt (mask + weight update) | wanda
+    roi_prior: str = "wanda"          # RoI's one-shot start: wanda (one dense pass) | sparsegpt (mask + weight update)
     roi_steps: int = 40               # RoI: mask-training steps of 512 tokens (~30 min here on SmolLM2)
     log: callable = field(default=print, repr=False)
 

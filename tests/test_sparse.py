@@ -272,7 +272,8 @@ def test_roi_from_the_sparsegpt_prior_starts_exactly_at_sparsegpt(tiny_dirs, tex
     monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
     common = [str(tiny_dirs["qwen3"]), "--target", "a100", "--calib", str(text_file), "--eval", str(text_file)]
     assert _optimize([*common, "--method", "sparsegpt", "-o", str(tmp_path / "s")], tmp_path).exit_code == 0
-    r = _optimize([*common, "--method", "roi", "--roi-steps", "0", "-o", str(tmp_path / "r")], tmp_path)
+    r = _optimize([*common, "--method", "roi", "--roi-prior", "sparsegpt", "--roi-steps", "0", "-o", str(tmp_path / "r")],
+                  tmp_path)
     assert r.exit_code == 0, r.output
     from safetensors.torch import load_file
     a, b = load_file(tmp_path / "s" / "model.safetensors"), load_file(tmp_path / "r" / "model.safetensors")
