@@ -11,7 +11,8 @@ on the first --eval-windows windows of 2048 tokens of the WikiText-2 raw test sp
 (`optimize(OptimizeConfig(method=..., sparsity=...))`, target h100 with vLLM 0.18 so 2:4
 packages carry the sparse config); its wall time is the pruning alone (manifest wall_s).
 The peer runs `oneshot` with SparseGPTModifier(mask_structure="2:4") in .venv-peer on the same
-windows (bench/peer_llmcompressor.py); its wall time is `oneshot` alone.
+windows (bench/peer_llmcompressor.py), in its own process *at the same time* as our runs, so
+both see the same machine load; its wall time is `oneshot` alone.
 
 Writes bench/results/sparse/sparse.json and sparse.md.
 """
@@ -91,10 +92,12 @@ def main() -> None:
     del model
     _save(results, path)
 
+    # The peer runs *beside* our runs (its own process, same thread count), so both see the
+    # same machine load; its perplexity is measured once both are done.
+    peer = None
     if not args.no_peer and PEER_PYTHON.is_file():
         if not (args.reuse and "llm-compressor:2:4" in results["runs"]):
-            results["runs"]["llm-compressor:2:4"] = _peer(source, calib, evalw, work, args.threads)
-            _save(results, path)
+            peer = _start_peer(source, calib, work, args.threads)
     elif not args.no_peer:
         print(f"peer skipped: {PEER_PYTHON} missing (run bench/setup_peer.sh)")
     for run in args.runs:
@@ -114,6 +117,9 @@ def main() -> None:
                                 **{k: m[k] for k in ("si", "roi") if k in m}}
         _save(results, path)
 
+    if peer is not None:
+        results["runs"]["llm-compressor:2:4"] = _finish_peer(*peer, evalw)
+        _save(results, path)
     (out / "sparse.md").write_text(table(results))
     print(table(results))
 
@@ -140,14 +146,24 @@ def si_fast_update(model, windows: torch.Tensor) -> dict:
     return {**timing, "block": 0, "tokens": windows.numel(), "paper_speedup": 22.65}
 
 
-def _peer(source, calib, evalw, work: Path, threads: int) -> dict:
-    windows = work / "calib-windows.pt"
+def _start_peer(source, calib, work: Path, threads: int):
+    """Start llm-compressor on `calib` in .venv-peer (unless a finished run is cached); returns
+    (package dir, process or None)."""
+    windows = work / f"calib-windows-w{len(calib)}.pt"
     torch.save(calib, windows)
     pkg = work / f"peer-sparsegpt-2of4-w{len(calib)}"
-    if not (pkg / "peer.json").is_file():
-        shutil.rmtree(pkg, ignore_errors=True)
-        subprocess.run([str(PEER_PYTHON), str(ROOT / "bench" / "peer_llmcompressor.py"), str(source.hf_dir),
-                        str(windows), str(pkg), "--threads", str(threads)], check=True)
+    if (pkg / "peer.json").is_file():
+        return pkg, None
+    shutil.rmtree(pkg, ignore_errors=True)
+    proc = subprocess.Popen([str(PEER_PYTHON), str(ROOT / "bench" / "peer_llmcompressor.py"), str(source.hf_dir),
+                             str(windows), str(pkg), "--threads", str(threads)],
+                            stdout=open(work / f"peer-w{len(calib)}.log", "w"), stderr=subprocess.STDOUT)
+    return pkg, proc
+
+
+def _finish_peer(pkg: Path, proc, evalw) -> dict:
+    if proc is not None and proc.wait() != 0:
+        raise RuntimeError(f"llm-compressor failed; see {pkg.parent}/peer-*.log")
     peer = json.loads((pkg / "peer.json").read_text())
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.from_pretrained(pkg)
