@@ -194,12 +194,12 @@ def table(results: dict) -> str:
     p = results["protocol"]
     lines = [f"Dense perplexity {dense:.3f} ({p['eval_windows']} × 2048 tokens of WikiText-2 test); "
              f"calibration {p['calib_windows']} × 2048 tokens of WikiText-2 validation; {p['threads']} torch thread(s).",
-             "", "| method | sparsity | PPL | excess PPL | vs peer excess | wall s | vs peer wall |",
+             "", "| method | sparsity | PPL | excess PPL | excess / peer's | wall s | peer's wall / ours |",
              "|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
         excess = r["ppl"] - dense
         vs = f"{excess / (peer['ppl'] - dense):.2f}×" if peer and r["sparsity"] == "2:4" else "—"
-        wall = f"{peer['wall_s'] / r['wall_s']:.1f}× faster" if peer and r["sparsity"] == "2:4" and r is not peer else "—"
+        wall = f"{peer['wall_s'] / r['wall_s']:.2f}×" if peer and r["sparsity"] == "2:4" and r is not peer else "—"
         lines.append(f"| {r['method']} | {r['sparsity']} | {r['ppl']:.3f} | {excess:.3f} | {vs} | {r['wall_s']:.0f} | {wall} |")
     fu = results.get("si_fast_update")
     if fu:
