@@ -147,17 +147,17 @@ class DDP:
 
     # --- observe: one optimisation step per batch ---------------------------------------------
     def step(self, input_ids: torch.Tensor) -> dict:
-        cfg = self.cfg
         mu = self.mu()
-        with torch.no_grad():
-            self.gates.enabled = False
-            teacher = F.log_softmax(self.model(input_ids).logits.float(), dim=-1)
-            self.gates.enabled = True
-        student = F.log_softmax(self.model(input_ids).logits.float(), dim=-1)
-        kd = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
+        kd = kd_loss(self.model, self.gates, input_ids)
+        return self.descend(kd, torch.cat([x.flatten() for x in self.gates.scores(mu)]), mu)
+
+    def descend(self, kd: torch.Tensor, s: torch.Tensor, mu: float) -> dict:
+        """The rest of a step, shared by every kind of gate (ExpertGates borrows it): the
+        augmented-Lagrangian budget on the scores `s`, the binarisation term, one Adam step
+        on the gates, and dual ascent on λ."""
+        cfg = self.cfg
         target = self.target()
         c = self.expected_retention(mu) - target
-        s = torch.cat([x.flatten() for x in self.gates.scores(mu)])
         gamma = cfg.gamma * min(1.0, self.step_count / max(1, cfg.steps - 1))
         loss = kd + self.lam * c + cfg.beta / 2 * c * c + gamma * (s * (1 - s)).mean()
         self.opt.zero_grad(set_to_none=True)
@@ -260,6 +260,17 @@ class DDP:
             kv = sorted({i // group for i in hi})
             blocks.append(BlockMask(hi, kv, ci, h[hi].tolist(), x[ci].tolist()))
         return Masks(blocks)
+
+
+def kd_loss(model, gates, input_ids: torch.Tensor) -> torch.Tensor:
+    """KL(teacher ‖ student) per token; the teacher is the same model with `gates.enabled` off,
+    run under no_grad, so no second copy of the weights exists."""
+    with torch.no_grad():
+        gates.enabled = False
+        teacher = F.log_softmax(model(input_ids).logits.float(), dim=-1)
+        gates.enabled = True
+    student = F.log_softmax(model(input_ids).logits.float(), dim=-1)
+    return F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
 
 
 def peak_rss_gib() -> float:

@@ -32,13 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from optimizer.errors import UserError
-from optimizer.methods.ddp import DDP, DDPConfig
+from optimizer.methods.ddp import DDP, DDPConfig, kd_loss
 from optimizer.moe_surgery import as_moe_adapter, moe_parts, route_hook, scale_hook
 
 
 class ExpertGates:
     mu = DDP.mu          # μ held during the warm-up, then annealed geometrically to mu_end
     target = DDP.target  # the retention target falls from 1 to cfg.retain over the warm-up
+    descend = DDP.descend  # budget + binarisation + Adam step + dual ascent, as for heads and channels
 
     def __init__(self, model, adapter, cfg: DDPConfig):
         self.model, self.adapter, self.cfg = model, as_moe_adapter(adapter), cfg
@@ -80,24 +81,8 @@ class ExpertGates:
 
     # --- observe: one optimisation step per batch ---------------------------------------------
     def step(self, input_ids: torch.Tensor) -> dict:
-        cfg, mu = self.cfg, self.mu()
-        with torch.no_grad():
-            self.enabled = False
-            teacher = F.log_softmax(self.model(input_ids).logits.float(), dim=-1)
-            self.enabled = True
-        student = F.log_softmax(self.model(input_ids).logits.float(), dim=-1)
-        kd = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
-        target = self.target()
-        c = self.expected_retention(mu) - target
-        s = self.scores(mu)
-        gamma = cfg.gamma * min(1.0, self.step_count / max(1, cfg.steps - 1))
-        loss = kd + self.lam * c + cfg.beta / 2 * c * c + gamma * (s * (1 - s)).mean()
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
-        self.lam += cfg.beta * c.item()
-        self.step_count += 1
-        return {"kd": kd.item(), "retain": c.item() + target, "target": target, "lambda": self.lam, "mu": mu}
+        mu = self.mu()
+        return self.descend(kd_loss(self.model, self, input_ids), self.scores(mu), mu)
 
     # --- decide -------------------------------------------------------------------------------
     def values(self) -> torch.Tensor:
