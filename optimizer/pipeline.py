@@ -159,11 +159,8 @@ def _target(name: str):
 
 def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
     log = cfg.log
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
     started = time.time()
-    model, tok = load.load_model(source)
+    model, tok = _load(cfg, source)
     config = model.config
 
     calib_text, train, held_out = _calibration(cfg, model, tok)
@@ -214,7 +211,9 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
     if max_diff > 1e-3 * max(1.0, ref.abs().max().item()):
         raise RuntimeError(f"internal check failed: pruned model differs from the masked model by {max_diff}")
 
-    quality = _quality(cfg, tok, source, model, pruned)
+    evaluation = _evaluation(cfg, tok)
+    quality = (_quality(cfg, evaluation, _dense_perplexity(model, evaluation[1], source), pruned)
+               if evaluation else {})
 
     plan.prediction = planner.roofline(target, adapter, config, shape)
     dense_params = sum(p.numel() for p in model.parameters())
@@ -270,29 +269,32 @@ def _calibration(cfg, model, tok):
     return calib_text, train, held_out
 
 
-def _quality(cfg, tok, source, dense, pruned) -> dict:
-    """Perplexity of the dense model (cached) and of the pruned one on the evaluation windows.
-
-    `dense` may be a model or, when pruning happened in place, the already-measured figure.
-    """
+def _evaluation(cfg, tok) -> tuple[str, torch.Tensor] | None:
+    """The evaluation text's description and windows, read and tokenized once per run;
+    None when there is no --eval file and no built-in corpus."""
     eval_text = data.read_text_file(cfg.eval, "evaluation file") if cfg.eval else data.builtin_text("eval")
     if eval_text is None:
         cfg.log("perplexity: skipped (no --eval file and no built-in corpus)")
-        return {}
-    windows = data.token_windows(tok, eval_text.text, cfg.seq_len, cfg.eval_windows)
-    quality = {"eval": eval_text.description, "windows": len(windows), "seq_len": cfg.seq_len,
-               "dense": dense if isinstance(dense, float) else _dense_perplexity(dense, windows, source),
+        return None
+    return eval_text.description, data.token_windows(tok, eval_text.text, cfg.seq_len, cfg.eval_windows)
+
+
+def _quality(cfg, evaluation, dense_ppl: float, pruned) -> dict:
+    """The manifest's perplexity entry: dense (measured by the caller) against pruned."""
+    description, windows = evaluation
+    quality = {"eval": description, "windows": len(windows), "seq_len": cfg.seq_len, "dense": dense_ppl,
                "pruned": evaluate.perplexity(pruned, windows, "perplexity (pruned)")}
     cfg.log(f"perplexity: dense {quality['dense']:.3f} → pruned {quality['pruned']:.3f} "
             f"({quality['windows']} windows of {cfg.seq_len})")
     return quality
 
 
-def _dense_quality(cfg, tok, source, model) -> float | None:
-    eval_text = data.read_text_file(cfg.eval, "evaluation file") if cfg.eval else data.builtin_text("eval")
-    if eval_text is None:
-        return None
-    return _dense_perplexity(model, data.token_windows(tok, eval_text.text, cfg.seq_len, cfg.eval_windows), source)
+def _load(cfg, source):
+    """Threads and seed set, then the model and tokenizer: the start of every job."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    return load.load_model(source)
 
 
 def _mean_shape(masks):

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 
+def _perplexity_line(q: dict | None) -> str:
+    if not q:
+        return "Not measured (no evaluation text)."
+    return (f"Perplexity on {q['eval']} ({q['windows']} windows of {q['seq_len']} tokens): "
+            f"dense **{q['dense']:.3f}**, pruned **{q['pruned']:.3f}**.")
+
+
 def render(m: dict) -> str:
     meth, size, q = m["method"], m["size"], m["quality"].get("perplexity")
     dense, shape = meth["dense_shape"], meth["shape"]
@@ -32,12 +39,7 @@ def render(m: dict) -> str:
         s = c["shape"]
         lines.append(f"- {s['num_heads']}/{s['num_kv_heads']} heads, {s['intermediate_size']} channels: "
                      f"retention {c['retain']:.3f}, loss {c['held_out_loss']:.4f}")
-    lines += ["", "## Quality", ""]
-    if q:
-        lines.append(f"Perplexity on {q['eval']} ({q['windows']} windows of {q['seq_len']} tokens): "
-                     f"dense **{q['dense']:.3f}**, pruned **{q['pruned']:.3f}**.")
-    else:
-        lines.append("Not measured (no evaluation text).")
+    lines += ["", "## Quality", "", _perplexity_line(q)]
     lines += ["", "## Plan", "", "```", m["plan"]["text"], "```", "",
               "The roofline is a prediction from the target's datasheet numbers; "
               "`bench PACKAGE --baseline MODEL` measures the real ratio on your hardware.", "",
@@ -77,13 +79,8 @@ def render_sparse(m: dict) -> str:
         f"block by block ({meth['wall_s']:.0f} s)",
         "",
         "## Speed", "", speed, "",
-        "## Quality", "",
+        "## Quality", "", _perplexity_line(q),
     ]
-    if q:
-        lines.append(f"Perplexity on {q['eval']} ({q['windows']} windows of {q['seq_len']} tokens): "
-                     f"dense **{q['dense']:.3f}**, pruned **{q['pruned']:.3f}**.")
-    else:
-        lines.append("Not measured (no evaluation text).")
     lines += ["", "## Plan", "", "```", m["plan"]["text"], "```", "",
               "## Serving", "",
               f"- engine: {eng['name']} (tested with {eng['tested_with']}); needs {eng['requires']}",

@@ -31,19 +31,17 @@ PRUNERS = {"magnitude": Magnitude, "wanda": Wanda, "sparsegpt": SparseGPT}
 
 
 def run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
-    from optimizer import load
-    from optimizer.pipeline import TOOL_VERSION, _calibration, _dense_quality, _quality
+    from optimizer.pipeline import TOOL_VERSION, _calibration, _dense_perplexity, _evaluation, _load, _quality
     log = cfg.log
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
     started = time.time()
     sparsity = parse(plan.sparsity)
-    model, tok = load.load_model(source)
+    model, tok = _load(cfg, source)
     config = model.config
     calib_text, train, _ = _calibration(cfg, model, tok)
     windows = train[: cfg.calib_windows]
-    dense_ppl = _dense_quality(cfg, tok, source, model)  # before the weights change in place
+    evaluation = _evaluation(cfg, tok)
+    # measured before the weights change in place (cached per machine)
+    dense_ppl = _dense_perplexity(model, evaluation[1], source) if evaluation else None
 
     t0 = time.time()
     detail = prune(cfg, plan.method, model, adapter, windows, sparsity)
@@ -53,7 +51,7 @@ def run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
     log(f"{plan.method} {sparsity}: {achieved['zero_fraction']:.3f} of the blocks' Linear weights are zero "
         f"({detail['wall_s']:.0f} s)")
 
-    quality = _quality(cfg, tok, source, dense_ppl, model) if dense_ppl is not None else {}
+    quality = _quality(cfg, evaluation, dense_ppl, model) if evaluation else {}
     config_extra = None
     if plan.sparse_kernel:
         config_extra = vllm_export.sparse24_quantization_config(achieved["zero_fraction"])
