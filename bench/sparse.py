@@ -12,7 +12,9 @@ on the first --eval-windows windows of 2048 tokens of the WikiText-2 raw test sp
 packages carry the sparse config); its wall time is the pruning alone (manifest wall_s).
 The peer runs `oneshot` with SparseGPTModifier(mask_structure="2:4") in .venv-peer on the same
 windows (bench/peer_llmcompressor.py), in its own process *at the same time* as our runs, so
-both see the same machine load; its wall time is `oneshot` alone.
+both see the same machine load; its wall time is `oneshot` alone. A finished peer run is cached
+per window count; `--fresh-peer` reruns it beside this invocation's runs, and only runs made
+beside a running peer get a wall-time ratio in the table (`beside_peer`).
 
 Writes bench/results/sparse/sparse.json and sparse.md.
 """
@@ -51,7 +53,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--roi-steps", type=int, default=40)
     ap.add_argument("--si-steps", type=int, default=20)
+    ap.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="our calibration passes (optimize --calib-dtype); the peer runs fp32 as it ships")
     ap.add_argument("--no-peer", action="store_true", help="skip llm-compressor")
+    ap.add_argument("--fresh-peer", action="store_true",
+                    help="rerun llm-compressor beside our runs even if a finished run of it is cached")
     ap.add_argument("--reuse", action="store_true", help="keep results of runs already in the JSON")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sparse"))
     ap.add_argument("--merge", nargs="+", default=[], metavar="JSON",
@@ -60,11 +66,13 @@ def main() -> None:
     if args.merge:
         path = Path(args.out) / "sparse.json"
         results = json.loads(path.read_text())
+        merged = set()
         for other in args.merge:
             other = json.loads(Path(other).read_text())
             results["runs"].update(other["runs"])
+            merged |= set(other["runs"])
             results.setdefault("si_fast_update", other.get("si_fast_update"))
-        _save(results, path)
+        _save(results, path, merged)
         (Path(args.out) / "sparse.md").write_text(table(results))
         print(table(results))
         return
@@ -77,6 +85,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = out / "sparse.json"
     results = json.loads(path.read_text()) if (args.reuse and path.is_file()) else {"runs": {}}
+    mine = set()  # the runs this process makes (see _save)
     source = load.resolve(None)
     model, tok = load.load_model(source)
     calib = data_mod.token_windows(tok, data_mod.read_text_file(data / "wikitext2-valid.txt").text, 2048,
@@ -85,7 +94,7 @@ def main() -> None:
                                    args.eval_windows)
     results["protocol"] = {"model": source.description, "calib_windows": args.calib_windows, "seq_len": 2048,
                            "eval_windows": args.eval_windows, "threads": args.threads, "roi_steps": args.roi_steps,
-                           "si_steps": args.si_steps, "command": " ".join(sys.argv)}
+                           "si_steps": args.si_steps, "calib_dtype": args.calib_dtype, "command": " ".join(sys.argv)}
     results["dense_ppl"] = _dense_perplexity(model, evalw, source)
     if not (args.reuse and "si_fast_update" in results):
         results["si_fast_update"] = si_fast_update(model, calib[:4])
@@ -97,7 +106,7 @@ def main() -> None:
     peer = None
     if not args.no_peer and PEER_PYTHON.is_file():
         if not (args.reuse and "llm-compressor:2:4" in results["runs"]):
-            peer = _start_peer(source, calib, work, args.threads)
+            peer = _start_peer(source, calib, work, args.threads, fresh=args.fresh_peer)
     elif not args.no_peer:
         print(f"peer skipped: {PEER_PYTHON} missing (run bench/setup_peer.sh)")
     for run in args.runs:
@@ -110,16 +119,20 @@ def main() -> None:
                                     calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
                                     calib_windows=args.calib_windows, eval_windows=args.eval_windows,
                                     threads=args.threads, si_steps=args.si_steps, roi_steps=args.roi_steps, out=str(pkg),
+                                    calib_dtype=args.calib_dtype,
                                     log=lambda *a: print(*a, flush=True)))
         m = r["manifest"]["method"]
         results["runs"][run] = {"method": method, "sparsity": pattern, "ppl": r["manifest"]["quality"]["perplexity"]["pruned"],
                                 "wall_s": m["wall_s"], "zero_fraction": m["zero_fraction"],
+                                "calib_dtype": m.get("calib_dtype", "float32"), "beside_peer": peer is not None and peer[1] is not None,
                                 **{k: m[k] for k in ("si", "roi") if k in m}}
-        _save(results, path)
+        mine.add(run)
+        _save(results, path, mine)
 
     if peer is not None:
         results["runs"]["llm-compressor:2:4"] = _finish_peer(*peer, evalw)
-        _save(results, path)
+        mine.add("llm-compressor:2:4")
+        _save(results, path, mine)
     (out / "sparse.md").write_text(table(results))
     print(table(results))
 
@@ -146,13 +159,13 @@ def si_fast_update(model, windows: torch.Tensor) -> dict:
     return {**timing, "block": 0, "tokens": windows.numel(), "paper_speedup": 22.65}
 
 
-def _start_peer(source, calib, work: Path, threads: int):
-    """Start llm-compressor on `calib` in .venv-peer (unless a finished run is cached); returns
-    (package dir, process or None)."""
+def _start_peer(source, calib, work: Path, threads: int, fresh: bool = False):
+    """Start llm-compressor on `calib` in .venv-peer (unless a finished run is cached and not
+    `fresh`); returns (package dir, process or None)."""
     windows = work / f"calib-windows-w{len(calib)}.pt"
     torch.save(calib, windows)
     pkg = work / f"peer-sparsegpt-2of4-w{len(calib)}"
-    if (pkg / "peer.json").is_file():
+    if (pkg / "peer.json").is_file() and not fresh:
         return pkg, None
     shutil.rmtree(pkg, ignore_errors=True)
     proc = subprocess.Popen([str(PEER_PYTHON), str(ROOT / "bench" / "peer_llmcompressor.py"), str(source.hf_dir),
@@ -174,12 +187,15 @@ def _finish_peer(pkg: Path, proc, evalw) -> dict:
             "wall_s": peer["oneshot_wall_s"], "threads": peer["threads"]}
 
 
-def _save(results: dict, path: Path) -> None:
+def _save(results: dict, path: Path, mine: set | None = None) -> None:
     """Merge into the file rather than overwrite it: several bench processes (one per core,
-    different --runs) may share one results file."""
+    different --runs) may share one results file. Only the runs this process made (`mine`)
+    replace rows on disk; rows it merely read at start must not undo another process's."""
     if path.is_file():
         on_disk = json.loads(path.read_text())
-        results["runs"] = {**on_disk.get("runs", {}), **results["runs"]}
+        runs = {**results["runs"], **on_disk.get("runs", {})}
+        runs.update({k: results["runs"][k] for k in (mine or ()) if k in results["runs"]})
+        results["runs"] = runs
         if "si_fast_update" in on_disk:
             results.setdefault("si_fast_update", on_disk["si_fast_update"])
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -194,13 +210,15 @@ def table(results: dict) -> str:
     p = results["protocol"]
     lines = [f"Dense perplexity {dense:.3f} ({p['eval_windows']} × 2048 tokens of WikiText-2 test); "
              f"calibration {p['calib_windows']} × 2048 tokens of WikiText-2 validation; {p['threads']} torch thread(s).",
-             "", "| method | sparsity | PPL | excess PPL | excess / peer's | wall s | peer's wall / ours |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| method | sparsity | passes | PPL | excess PPL | excess / peer's | wall s | peer's wall / ours (side by side) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
         excess = r["ppl"] - dense
         vs = f"{excess / (peer['ppl'] - dense):.2f}×" if peer and r["sparsity"] == "2:4" else "—"
-        wall = f"{peer['wall_s'] / r['wall_s']:.2f}×" if peer and r["sparsity"] == "2:4" and r is not peer else "—"
-        lines.append(f"| {r['method']} | {r['sparsity']} | {r['ppl']:.3f} | {excess:.3f} | {vs} | {r['wall_s']:.0f} | {wall} |")
+        # a wall-time ratio only for runs made while the peer ran beside them (same load)
+        wall = f"{peer['wall_s'] / r['wall_s']:.2f}×" if peer and r.get("beside_peer") and r is not peer else "—"
+        passes = {"bfloat16": "bf16", "float32": "fp32", None: "none"}[r.get("calib_dtype", "float32")]
+        lines.append(f"| {r['method']} | {r['sparsity']} | {passes} | {r['ppl']:.3f} | {excess:.3f} | {vs} | {r['wall_s']:.0f} | {wall} |")
     fu = results.get("si_fast_update")
     if fu:
         lines += ["", f"SI fast Wanda-metric update vs recomputation (block 0, {fu['tokens']} tokens): "

@@ -59,9 +59,13 @@ def one_line_errors(fn):
 @click.option("--roi-steps", default=40, show_default=True, help="RoI: mask-training steps (512 tokens each).")
 @click.option("--roi-prior", default="wanda", show_default=True, type=click.Choice(["wanda", "sparsegpt"]),
               help="RoI's one-shot start: SparseGPT's mask and weight update, or Wanda scores.")
+@click.option("--calib-dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16"]),
+              help="Precision of the one-shot calibration passes (statistics stay fp32); auto = bf16 where "
+                   "the hardware has it natively.")
 @one_line_errors
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
-             eval_windows, seq_len, seed, threads, budget, layout, steps, resume, si_steps, roi_steps, roi_prior):
+             eval_windows, seq_len, seed, threads, budget, layout, steps, resume, si_steps, roi_steps, roi_prior,
+             calib_dtype):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
@@ -74,7 +78,8 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
                        out=out, format=fmt, onnx_dtype=onnx_dtype, dry_run=dry_run, engine_version=engine_version, calib_windows=calib_windows,
                        eval_windows=None if eval_windows == "all" else int(eval_windows), seq_len=seq_len,
                        seed=seed, threads=threads, budget=budget, layout=layout, ddp_steps=steps, resume=resume,
-                       sparsity=sparsity, si_steps=si_steps, roi_steps=roi_steps, roi_prior=roi_prior))
+                       sparsity=sparsity, si_steps=si_steps, roi_steps=roi_steps, roi_prior=roi_prior,
+                       calib_dtype=calib_dtype))
 
 
 @click.command()

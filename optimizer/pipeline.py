@@ -73,6 +73,7 @@ class OptimizeConfig:
     si_steps: int = 20                # SI: optimisation steps per block
     roi_prior: str = "wanda"          # RoI's one-shot start: wanda (one dense pass) | sparsegpt (mask + weight update)
     roi_steps: int = 40               # RoI: mask-training steps of 512 tokens (~30 min here on SmolLM2)
+    calib_dtype: str = "auto"         # one-shot calibration passes: auto (bf16 where native) | float32 | bfloat16
     log: callable = field(default=print, repr=False)
 
 

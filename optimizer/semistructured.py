@@ -24,7 +24,7 @@ from optimizer.methods.roi import RoI, RoIConfig, wanda_prior
 from optimizer.methods.si import SIConfig, prune_with_si
 from optimizer.methods.sparsegpt import SparseGPT
 from optimizer.methods.wanda import Wanda
-from optimizer.sequential import prune_blockwise
+from optimizer.sequential import calibration_dtype, prune_blockwise
 from optimizer.sparsity import Sparsity, parse
 
 PRUNERS = {"magnitude": Magnitude, "wanda": Wanda, "sparsegpt": SparseGPT}
@@ -95,14 +95,17 @@ def run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
 
 def prune(cfg, method: str, model, adapter, windows: torch.Tensor, sparsity: Sparsity) -> dict:
     """Run `method` on `model` in place; return what the manifest should say about the run."""
+    dtype = calibration_dtype(cfg.calib_dtype)
+    # magnitude alone looks at no data, so it makes no calibration passes
+    passes = {"calib_dtype": None if method == "magnitude" else str(dtype).removeprefix("torch.")}
     if method in PRUNERS:
-        prune_blockwise(model, adapter, windows, PRUNERS[method], sparsity, desc=f"{method} {sparsity}")
-        return {}
+        prune_blockwise(model, adapter, windows, PRUNERS[method], sparsity, desc=f"{method} {sparsity}", dtype=dtype)
+        return passes
     if method.startswith("si+"):
         si_cfg = SIConfig(steps=cfg.si_steps, seed=cfg.seed)
-        _, si = prune_with_si(model, adapter, windows, PRUNERS[method[3:]], sparsity, si_cfg)
+        _, si = prune_with_si(model, adapter, windows, PRUNERS[method[3:]], sparsity, si_cfg, dtype=dtype)
         chosen = [h["chosen"] for h in si.history]
-        return {"si": {**vars(si_cfg), "blocks_learned": chosen.count("learned"), "blocks_init": chosen.count("init"),
+        return {**passes, "si": {**vars(si_cfg), "blocks_learned": chosen.count("learned"), "blocks_init": chosen.count("init"),
                        "blocks_identity": chosen.count("identity"),
                        "attention_bias": bool(getattr(model.config, "attention_bias", False)),
                        "mlp_bias": bool(getattr(model.config, "mlp_bias", False))}}
@@ -136,7 +139,8 @@ def _train_roi(cfg, model, adapter, windows: torch.Tensor, sparsity: Sparsity) -
     if cfg.roi_prior == "sparsegpt":
         linears = [adapter.linears(b) for b in adapter.blocks(model)]
         original = [{n: lin.weight.detach().clone() for n, lin in d.items()} for d in linears]
-        keeps = prune_blockwise(model, adapter, windows, SparseGPT, sparsity, desc=f"RoI prior: sparsegpt {sparsity}")
+        keeps = prune_blockwise(model, adapter, windows, SparseGPT, sparsity, desc=f"RoI prior: sparsegpt {sparsity}",
+                                dtype=calibration_dtype(cfg.calib_dtype))
         prior = []
         with torch.no_grad():
             for d, orig, keep in zip(linears, original, keeps):

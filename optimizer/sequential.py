@@ -8,10 +8,16 @@ The runner captures the hidden states entering block 0 once, then for every bloc
 Only one block's statistics exist at a time, so peak memory is one block, its pruners and
 the calibration hidden states (n × seq × hidden), not the model; on a GPU only the current
 block needs to be on the device (`device`), the rest can stay in host memory.
+
+Speed: Linears that read the same tensor (q/k/v, gate/up) share one set of statistics,
+collected once; the passes can run under bf16 autocast (`dtype`), which halves their cost
+where the hardware has bf16 arithmetic while statistics stay fp32; a pruner that needs no
+data (magnitude) gets no passes at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -55,35 +61,83 @@ def _out(block, x, kwargs):
     return y[0] if isinstance(y, tuple) else y
 
 
+def fast_bf16(device: str | torch.device = "cpu") -> bool:
+    """Whether bf16 matmuls are native here (CUDA with bf16, or a CPU with AVX512-BF16/AMX)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def calibration_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """'auto' → bf16 where it is native, else fp32; or 'float32' / 'bfloat16' as asked."""
+    if name == "auto":
+        return torch.bfloat16 if fast_bf16(device) else torch.float32
+    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[name]
+
+
+@torch.no_grad()
+def _observe(block, inputs, kwargs, pruners: dict, autocast) -> None:
+    """One pass over `inputs` feeding each Linear's input to its pruner's add_batch.
+
+    Linears whose input is the very same tensor (q/k/v read one normed hidden state, gate/up
+    another) would collect identical statistics: the first one collects, the others adopt
+    its statistics afterwards (each pruner class names them in `statistics`)."""
+    followers = {}  # pruner -> the pruner that collects for it
+    seen = {}       # per window: (address, shape) -> (collecting pruner, the tensor, kept alive
+                    # so that its address cannot be reused by another tensor in the same pass)
+
+    def hook(p, x):
+        first = seen.setdefault((x.data_ptr(), tuple(x.shape), x.dtype), (p, x))[0]
+        if first is p:
+            p.add_batch(x.detach())
+        else:
+            followers[p] = first
+
+    handles = [p.layer.register_forward_hook(lambda m, a, y, p=p: hook(p, a[0])) for p in pruners.values()]
+    try:
+        for x in inputs:
+            with autocast:
+                _out(block, x, kwargs)
+            seen.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    for p, first in followers.items():
+        for name in p.statistics:
+            setattr(p, name, getattr(first, name))
+
+
 def prune_blockwise(model, adapter, windows: torch.Tensor, make_pruner: Callable, sparsity: Sparsity,
                     prepare: Callable | None = None, device: str | torch.device = "cpu",
-                    desc: str = "pruning blocks") -> list[dict[str, torch.Tensor]]:
-    """Prune every block's Linears in place; return the keep-masks, one dict per block."""
+                    desc: str = "pruning blocks", dtype: torch.dtype = torch.float32) -> list[dict[str, torch.Tensor]]:
+    """Prune every block's Linears in place; return the keep-masks, one dict per block.
+
+    `dtype` is the autocast dtype of the calibration passes (`prepare` runs outside them)."""
     for block in adapter.blocks(model):
         for name, lin in adapter.linears(block).items():
             sparsity.check_shape(lin.in_features, name)
+    blocks = adapter.blocks(model)
+    if not getattr(make_pruner, "needs_data", True) and prepare is None:
+        return [{name: make_pruner(lin).prune(sparsity) for name, lin in adapter.linears(b).items()} for b in blocks]
+    device = torch.device(device)
+    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
     inputs, kwargs = block_inputs(model, adapter, windows)
-    needs_data = getattr(make_pruner, "needs_data", True)
     masks = []
-    for block in tqdm(adapter.blocks(model), desc=desc, unit="block"):
+    for i, block in enumerate(tqdm(blocks, desc=desc, unit="block")):
         home = next(block.parameters()).device
         block.to(device)
         inputs = [x.to(device) for x in inputs]
         if prepare is not None:
             prepare(block, inputs, kwargs)
         pruners = {name: make_pruner(lin) for name, lin in adapter.linears(block).items()}
-        if needs_data:
-            handles = [lin.register_forward_hook(lambda m, a, y, p=p: p.add_batch(a[0].detach()))
-                       for lin, p in ((p.layer, p) for p in pruners.values())]
-            with torch.no_grad():
-                for x in inputs:
-                    _out(block, x, kwargs)
-            for h in handles:
-                h.remove()
+        if getattr(make_pruner, "needs_data", True):
+            _observe(block, inputs, kwargs, pruners, autocast)
         masks.append({name: p.prune(sparsity) for name, p in pruners.items()})
         for p in pruners.values():
             p.free()
-        with torch.no_grad():
-            inputs = [_out(block, x, kwargs) for x in inputs]
+        if i + 1 < len(blocks):  # the next block's inputs; the last block's outputs are not needed
+            with torch.no_grad(), autocast:
+                inputs = [_out(block, x, kwargs).to(x.dtype) for x in inputs]
         block.to(home)
     return masks

@@ -8,7 +8,7 @@ import torch
 from optimizer import budget
 from optimizer.adapters import get_adapter
 from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts
-from optimizer.surgery import BlockMask, Masks, check_masks, masked, prune
+from optimizer.surgery import BlockMask, Masks, check_masks, masked, prune, prune_per_layer
 from tests.conftest import tiny_model
 
 
@@ -115,3 +115,20 @@ def test_importance_prior_orders_the_gates_without_leaving_the_band():
     assert (z - 1).abs().max() <= 0.2 + 1e-6
     for layer, scores in enumerate(imp.channel_scores):  # the ordering follows the importance
         assert torch.equal(z[layer].argsort(), scores.argsort()) or torch.corrcoef(torch.stack([z[layer], scores.log()]))[0, 1] > 0.99
+
+
+def test_budget_masks_keep_equally_many_heads_in_every_kept_group():
+    """Found on SmolLM2: trained gates left 2 heads in one KV group and 3 in another, which
+    no engine (and not our surgery) can load; the per-layer masks must equalise them."""
+    model, adapter, ddp, _, data = _trained(retain=0.97, steps=2)  # a loose budget: no tie-break
+    group = ddp.gates.group
+    with torch.no_grad():  # layer 0: group 0 loses one head, group 1 keeps all
+        ddp.gates.head[0, 0] = -1.0
+        ddp.gates.head[0, group:] = 2.0
+    masks = ddp.budget_masks()
+    for b in masks.blocks:
+        per_group = {g: sum(1 for h in b.heads if h // group == g) for g in b.kv_heads}
+        assert len(set(per_group.values())) == 1, per_group
+    pruned = prune_per_layer(model, adapter, masks)  # loads without complaint
+    with torch.no_grad():
+        assert torch.isfinite(pruned(data[:1]).logits).all()

@@ -282,3 +282,73 @@ def test_roi_from_the_sparsegpt_prior_starts_exactly_at_sparsegpt(tiny_dirs, tex
                   tmp_path)
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "w" / "manifest.json").read_text())["method"]["roi"]["prior"] == "wanda"
+
+
+def _textbook_sparsegpt(W: torch.Tensor, H: torch.Tensor, sparsity: Sparsity, damp=0.01) -> torch.Tensor:
+    """SparseGPT column by column with no blocking or lazy updates: the reference the fast
+    sweep (transposed weights, rank-1 updates, blocks of 128) must reproduce."""
+    W = W.clone()
+    H = H + damp * torch.diag(H).mean() * torch.eye(H.shape[0])
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    keep = torch.ones_like(W, dtype=torch.bool)
+    for i in range(W.shape[1]):
+        if sparsity.is_nm and i % sparsity.m == 0:
+            g = slice(i, i + sparsity.m)
+            keep[:, g] = sparsity.mask(W[:, g].pow(2) / torch.diag(U)[g].pow(2)[None, :])
+        err = W[:, i] * ~keep[:, i] / U[i, i]
+        W[:, i:] -= err[:, None] * U[i, i:][None, :]
+    return W * keep
+
+
+@pytest.mark.parametrize("pattern", ["2:4", "4:8"])
+def test_sparsegpt_fast_sweep_equals_the_textbook_loop(pattern):
+    layer, x = _layer_and_inputs(d_in=320, d_out=40)  # 320 columns: three blocks of 128, the last short
+    W = layer.weight.detach().clone()
+    p = SparseGPT(layer)
+    p.add_batch(x[None])
+    want = _textbook_sparsegpt(W, p.H, parse(pattern))
+    p.prune(parse(pattern))
+    torch.testing.assert_close(layer.weight.detach(), want, atol=1e-5, rtol=1e-4)
+
+
+def test_linears_reading_one_tensor_share_statistics_equal_to_their_own():
+    """q/k/v (and gate/up) read the same tensor: one collects, the others adopt; every
+    pruner must still hold exactly the statistics of its own input."""
+    import contextlib
+
+    from optimizer.sequential import _observe
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    windows = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
+    inputs, kwargs = block_inputs(model, adapter, windows)
+    block = adapter.blocks(model)[0]
+    pruners = {n: SparseGPT(lin) for n, lin in adapter.linears(block).items()}
+    _observe(block, inputs, kwargs, pruners, contextlib.nullcontext())
+    own = {n: SparseGPT(lin) for n, lin in adapter.linears(block).items()}
+    handles = [lin.register_forward_hook(lambda m, a, y, p=own[n]: p.add_batch(a[0]))
+               for n, lin in adapter.linears(block).items()]
+    with torch.no_grad():
+        for x in inputs:
+            block(x, **kwargs)
+    for h in handles:
+        h.remove()
+    q, k, v, o = adapter.attention(block)
+    names = {lin: n for n, lin in adapter.linears(block).items()}
+    assert pruners[names[k]].H is pruners[names[q]].H  # collected once
+    assert pruners[names[o]].H is not pruners[names[q]].H
+    for n in pruners:
+        torch.testing.assert_close(pruners[n].H, own[n].H, msg=n)
+        assert pruners[n].tokens == own[n].tokens
+
+
+def test_bf16_calibration_passes_prune_to_the_pattern():
+    from optimizer.sequential import calibration_dtype
+    assert calibration_dtype("float32") == torch.float32
+    assert calibration_dtype("auto") in (torch.float32, torch.bfloat16)
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    windows = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(3))
+    prune_blockwise(model, adapter, windows, SparseGPT, parse("2:4"), dtype=torch.bfloat16)
+    for block in adapter.blocks(model):
+        for lin in adapter.linears(block).values():
+            assert lin.weight.dtype == torch.float32 and parse("2:4").complies(lin.weight)

@@ -228,7 +228,9 @@ class DDP:
 
         KV groups are kept when their gate and at least one of their heads are positive; a
         removed group takes its query heads with it. Ties to the budget are broken by
-        dropping the lowest-valued channels, then heads, until the cost fits.
+        dropping the lowest-valued channels, then heads, until the cost fits; then every kept
+        group of a layer is cut to the same number of query heads (GQA needs it) and the
+        budget this frees goes back to the best removed channels.
         """
         heads, chans = self.unit_values()
         c, group = self.costs, self.gates.group
@@ -253,6 +255,22 @@ class DDP:
             elif kind == 1 and keep_c[l_].sum() > 1:
                 keep_c[l_][i] = False
                 total -= c.channel
+        for kh, kc, h, x in zip(keep_h, keep_c, heads, chans):
+            for keep, values in ((kh, h), (kc, x)):
+                if not keep.any():  # a block keeps at least one unit of each kind
+                    keep[values.argmax()] = True
+            _equal_heads_per_group(kh, h, group)
+        total = sum(c.block(kh.sum().item(), (kh.view(-1, group).sum(1) > 0).sum().item(), kc.sum().item())
+                    for kh, kc in zip(keep_h, keep_c))
+        # Heads dropped to equalise the groups leave budget over: the best channels the
+        # tie-break removed (positive gates only; a zero gate contributes nothing) come back.
+        spare = sorted(((chans[l_][i].item(), l_, i) for l_ in range(self.layers)
+                        for i in (~keep_c[l_] & (chans[l_] > 0)).nonzero().flatten().tolist()), reverse=True)
+        for _, l_, i in spare:
+            if total + c.channel > budget:
+                break
+            keep_c[l_][i] = True
+            total += c.channel
         blocks = []
         for kh, kc, h, x in zip(keep_h, keep_c, heads, chans):
             hi = kh.nonzero().flatten().tolist()
@@ -260,6 +278,21 @@ class DDP:
             kv = sorted({i // group for i in hi})
             blocks.append(BlockMask(hi, kv, ci, h[hi].tolist(), x[ci].tolist()))
         return Masks(blocks)
+
+
+def _equal_heads_per_group(keep: torch.Tensor, values: torch.Tensor, group: int) -> None:
+    """GQA needs the same number of query heads in every kept KV group (every engine and our
+    surgery assume it): keep in each kept group its best n heads, n = the smallest count
+    among them. Only drops heads, so the budget still holds. In place on `keep` [H]."""
+    k = keep.view(-1, group)
+    counts = k.sum(1)
+    if (counts > 0).sum() == 0:
+        return
+    n = int(counts[counts > 0].min())
+    v = values.view(-1, group).masked_fill(~k, float("-inf"))
+    for g in (counts > n).nonzero().flatten().tolist():
+        k[g] = False
+        k[g, v[g].topk(n).indices] = True
 
 
 def kd_loss(model, gates, input_ids: torch.Tensor) -> torch.Tensor:

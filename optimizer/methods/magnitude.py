@@ -11,6 +11,7 @@ from optimizer.sparsity import Sparsity
 
 class Magnitude:
     needs_data = False
+    statistics = ()  # what add_batch collects; a Linear reading the same input adopts them
 
     def __init__(self, layer: nn.Linear):
         self.layer = layer

@@ -256,12 +256,12 @@ class SparsityInduction:
 
 
 def prune_with_si(model, adapter, windows, base, sparsity: Sparsity, config: SIConfig | None = None,
-                  device="cpu") -> tuple[list[dict], SparsityInduction]:
+                  device="cpu", dtype: torch.dtype = torch.float32) -> tuple[list[dict], SparsityInduction]:
     """SI + `base` (Magnitude, Wanda or SparseGPT) over the whole model; returns the runner's
     masks and the SparsityInduction object (its .history has the per-block errors)."""
     si = SparsityInduction(model, adapter, base, sparsity, config)
     masks = prune_blockwise(model, adapter, windows, base, sparsity, prepare=si.prepare, device=device,
-                            desc=f"SI + {base.__name__}")
+                            desc=f"SI + {base.__name__}", dtype=dtype)
     si.finish()
     return masks, si
 

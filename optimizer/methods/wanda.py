@@ -12,6 +12,7 @@ from optimizer.methods.magnitude import Magnitude
 class Wanda(Magnitude):
     """Magnitude's prune() on a better score."""
     needs_data = True
+    statistics = ("sq_sum", "sum", "tokens")
 
     def __init__(self, layer: nn.Linear):
         self.layer = layer
