@@ -96,8 +96,9 @@ def run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
 def prune(cfg, method: str, model, adapter, windows: torch.Tensor, sparsity: Sparsity) -> dict:
     """Run `method` on `model` in place; return what the manifest should say about the run."""
     dtype = calibration_dtype(cfg.calib_dtype)
-    # magnitude alone looks at no data, so it makes no calibration passes
-    passes = {"calib_dtype": None if method == "magnitude" else str(dtype).removeprefix("torch.")}
+    # a pruner that looks at no data (magnitude alone) makes no calibration passes
+    no_passes = method in PRUNERS and not PRUNERS[method].needs_data
+    passes = {"calib_dtype": None if no_passes else str(dtype).removeprefix("torch.")}
     if method in PRUNERS:
         prune_blockwise(model, adapter, windows, PRUNERS[method], sparsity, desc=f"{method} {sparsity}", dtype=dtype)
         return passes
@@ -110,11 +111,11 @@ def prune(cfg, method: str, model, adapter, windows: torch.Tensor, sparsity: Spa
                        "attention_bias": bool(getattr(model.config, "attention_bias", False)),
                        "mlp_bias": bool(getattr(model.config, "mlp_bias", False))}}
     if method == "roi":
-        return _train_roi(cfg, model, adapter, windows, sparsity)
+        return _train_roi(cfg, model, adapter, windows, sparsity, dtype)
     raise NotImplementedError(method)
 
 
-def _train_roi(cfg, model, adapter, windows: torch.Tensor, sparsity: Sparsity) -> dict:
+def _train_roi(cfg, model, adapter, windows: torch.Tensor, sparsity: Sparsity, dtype: torch.dtype) -> dict:
     """A one-shot prior, then cfg.roi_steps of mask training on 512-token chunks of the
     calibration windows (checkpointed every cfg.checkpoint_every steps; --resume).
 
@@ -140,7 +141,7 @@ def _train_roi(cfg, model, adapter, windows: torch.Tensor, sparsity: Sparsity) -
         linears = [adapter.linears(b) for b in adapter.blocks(model)]
         original = [{n: lin.weight.detach().clone() for n, lin in d.items()} for d in linears]
         keeps = prune_blockwise(model, adapter, windows, SparseGPT, sparsity, desc=f"RoI prior: sparsegpt {sparsity}",
-                                dtype=calibration_dtype(cfg.calib_dtype))
+                                dtype=dtype)
         prior = []
         with torch.no_grad():
             for d, orig, keep in zip(linears, original, keeps):

@@ -237,8 +237,11 @@ class DDP:
         keep_h = [h > 0 for h in heads]
         keep_c = [x > 0 for x in chans]
         kv_count = [kh.view(-1, group).sum(1) for kh in keep_h]  # kept heads per group
-        total = sum(c.block(kh.sum().item(), (n > 0).sum().item(), kc.sum().item())
-                    for kh, kc, n in zip(keep_h, keep_c, kv_count))
+
+        def cost():
+            return sum(c.block(kh.sum().item(), (kh.view(-1, group).sum(1) > 0).sum().item(), kc.sum().item())
+                       for kh, kc in zip(keep_h, keep_c))
+        total = cost()
         # Drop the units with the least gate value per unit of cost until the budget fits.
         ranked = sorted([(heads[l_][i].item() / c.head, 0, l_, i) for l_ in range(self.layers)
                          for i in keep_h[l_].nonzero().flatten().tolist()] +
@@ -260,8 +263,7 @@ class DDP:
                 if not keep.any():  # a block keeps at least one unit of each kind
                     keep[values.argmax()] = True
             _equal_heads_per_group(kh, h, group)
-        total = sum(c.block(kh.sum().item(), (kh.view(-1, group).sum(1) > 0).sum().item(), kc.sum().item())
-                    for kh, kc in zip(keep_h, keep_c))
+        total = cost()
         # Heads dropped to equalise the groups leave budget over: the best channels the
         # tie-break removed (positive gates only; a zero gate contributes nothing) come back.
         spare = sorted(((chans[l_][i].item(), l_, i) for l_ in range(self.layers)
