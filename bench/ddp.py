@@ -1,13 +1,18 @@
 """DDP against the one-shot structured baseline at the same retention (issue 3 figures).
 
     .venv/bin/python bench/ddp.py                                   # 0.8 / 0.7 / 0.5, params budget
-    .venv/bin/python bench/ddp.py --retain 0.7 --steps 120          # one level, shorter training
+    .venv/bin/python bench/ddp.py --retain 0.7 --steps 120          # one level, longer training
     .venv/bin/python bench/ddp.py --retain 0.7 --budget latency     # hardware-aware budget
 
+Levels run as separate processes (one per core) write separate files
+(ddp-{budget}-r{retain}.json); the table gathers every level present.
+
 Same data protocol as bench/spine.py: calibration (and DDP training text) from WikiText-2
-validation, perplexity on the whole WikiText-2 raw test split in 2048-token windows. For each
-retention: the baseline (--method activation) and DDP packages, their perplexities, DDP's
-training tokens, wall time and peak memory. Writes bench/results/ddp/ddp.json and ddp.md;
+validation, perplexity on WikiText-2 raw test in 2048-token windows (--eval-windows). For each
+retention: the baseline (--method activation), DDP exported per layer (its natural result), and
+the same trained gates exported uniformly (the checkpoint is reused: one training per level);
+their perplexities, DDP's training tokens, wall time and peak memory. Writes
+bench/results/ddp/ddp-{budget}-r*.json and ddp-{budget}.md;
 serve them with `bench PACKAGE --baseline embedded` for the speed ratios.
 """
 
@@ -34,10 +39,12 @@ def main() -> None:
     ap.add_argument("--retain", type=float, nargs="+", default=[0.8, 0.7, 0.5])
     ap.add_argument("--budget", default="params", choices=["params", "latency"])
     ap.add_argument("--target", default="a100")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--prior-spread", type=float, default=0.0, help="DDP gates start ordered by one-shot importance")
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--batch", type=int, default=2, help="DDP sequences (of 256 tokens) per step")
+    ap.add_argument("--ddp-start", default="baseline", choices=["baseline", "dense"])
     ap.add_argument("--eval-windows", default="all")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--calib-windows", type=int, default=8, help="windows of 2048 for the importance and DDP training")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ddp"))
     args = ap.parse_args()
@@ -46,33 +53,37 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
-    results_path = out / f"ddp-{args.budget}.json"
-    results = json.loads(results_path.read_text()) if results_path.is_file() else {"levels": {}}
-    results["protocol"] = {"target": args.target, "budget": args.budget, "steps": args.steps,
-                           "prior_spread": args.prior_spread,
-                           "calib": str(data / "wikitext2-valid.txt"), "eval": str(data / "wikitext2-raw-test.txt"),
-                           "eval_windows": args.eval_windows, "torch_threads": args.threads,
-                           "command": " ".join(sys.argv)}
-    methods = ["ddp"] if args.skip_baseline else ["activation", "ddp"]
+    protocol = {"target": args.target, "budget": args.budget, "steps": args.steps, "batch": args.batch,
+                "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
+                "eval": str(data / "wikitext2-raw-test.txt"), "eval_windows": args.eval_windows,
+                "torch_threads": args.threads, "command": " ".join(sys.argv)}
+    runs = [("activation", "uniform")] if not args.skip_baseline else []
+    runs += [("ddp", "per-layer"), ("ddp", "uniform")]
     for retain in args.retain:
-        level = results["levels"].setdefault(f"{retain:.2f}", {})
-        for method in methods:
-            pkg = ROOT / "out" / "ddp" / f"smollm2-{args.target}-{method}-{args.budget}-r{retain:.2f}"
+        path = out / f"ddp-{args.budget}-r{retain:.2f}.json"
+        level = {"protocol": protocol, "runs": {}}
+        for method, layout in runs:
+            name = method if method == "activation" else f"ddp-{layout}"
+            pkg = ROOT / "out" / "ddp" / f"smollm2-{args.target}-{name}-{args.budget}-r{retain:.2f}"
             shutil.rmtree(pkg, ignore_errors=True)
             t0 = time.time()
             m = optimize(OptimizeConfig(
-                target=args.target, method=method, retain=retain, budget=args.budget,
+                target=args.target, method=method, retain=retain, budget=args.budget, layout=layout,
                 calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
-                out=str(pkg), calib_windows=16, ddp_steps=args.steps, seq_len=2048, threads=args.threads,
-                ddp_prior_spread=args.prior_spread,
+                out=str(pkg), calib_windows=args.calib_windows, ddp_steps=args.steps, ddp_batch=args.batch, seq_len=2048,
+                threads=args.threads, ddp_start=args.ddp_start,
+                resume=layout == "uniform",  # the uniform export reuses the per-layer run's gates
                 eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)))["manifest"]
             q = m["quality"]["perplexity"]
-            level[method] = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),
-                             "shape": m["method"]["shape"], "retain_achieved": m["method"]["retain_achieved"],
-                             "retain_budget_achieved": m["method"]["retain_budget_achieved"],
-                             "ppl_dense": q["dense"], "ppl": q["pruned"], "excess_ppl": q["pruned"] - q["dense"],
-                             "ideal_ratio": m["size"]["ideal_ratio"], "training": m["method"].get("ddp")}
-            results_path.write_text(json.dumps(results, indent=2) + "\n")
+            level["runs"][name] = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),
+                                   "shape": m["method"]["shape"], "retain_achieved": m["method"]["retain_achieved"],
+                                   "retain_budget_achieved": m["method"]["retain_budget_achieved"],
+                                   "ppl_dense": q["dense"], "ppl": q["pruned"], "excess_ppl": q["pruned"] - q["dense"],
+                                   "ideal_ratio": m["size"]["ideal_ratio"], "training": m["method"].get("ddp")}
+            path.write_text(json.dumps(level, indent=2) + "\n")
+    results = {"protocol": protocol, "levels": {}}
+    for f in sorted(out.glob(f"ddp-{args.budget}-r*.json")):
+        results["levels"][f.stem.rsplit("-r", 1)[1]] = json.loads(f.read_text())["runs"]
     md = _markdown(results)
     (out / f"ddp-{args.budget}.md").write_text(md)
     print(md)
@@ -82,7 +93,9 @@ def _markdown(results: dict) -> str:
     p = results["protocol"]
     lines = [f"# DDP vs one-shot structured baseline ({p['budget']} budget, target {p['target']})", "",
              f"Perplexity on {Path(p['eval']).name} ({p['eval_windows']} windows of 2048); DDP trained "
-             f"{p['steps']} steps on {Path(p['calib']).name}; torch threads {p['torch_threads']}.", "",
+             f"{p['steps']} steps × {p['batch']} × 256 tokens of {Path(p['calib']).name}, starting from "
+             f"the {p['ddp_start']} selection; torch threads {p['torch_threads']}. The two DDP rows of a level "
+             "are one training exported two ways.", "",
              "| retain | method | shape (heads/KV/MLP) | achieved | PPL | excess PPL | DDP excess / baseline | "
              "train tokens | train wall | peak RSS |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -90,11 +103,13 @@ def _markdown(results: dict) -> str:
         base = level.get("activation")
         for method, r in level.items():
             s, t = r["shape"], r.get("training") or {}
-            ratio = (f"{r['excess_ppl'] / base['excess_ppl']:.2f}" if method == "ddp" and base else "—")
+            ratio = (f"{r['excess_ppl'] / base['excess_ppl']:.2f}" if method.startswith("ddp") and base else "—")
             tokens = t.get("steps", 0) * t.get("batch", 0) * t.get("seq_len", 0)
-            lines.append(f"| {retain} | {method} | {s['num_heads']}/{s['num_kv_heads']}/{s['intermediate_size']} | "
+            wall = ("same gates" if t and t.get("resumed_from_step") == t.get("steps")
+                    else f"{t['wall_s']} s" if t else "—")
+            lines.append(f"| {retain} | {method} | {s['num_heads']:g}/{s['num_kv_heads']:g}/{s['intermediate_size']:g} | "
                          f"{r['retain_achieved']:.3f} | {r['ppl']:.2f} | {r['excess_ppl']:.2f} | {ratio} | "
-                         f"{tokens or '—'} | {t.get('wall_s', '—')} s | {t.get('peak_rss_gib', '—')} GiB |")
+                         f"{tokens or '—'} | {wall} | {t.get('peak_rss_gib', '—')} GiB |")
     return "\n".join(lines) + "\n"
 
 

@@ -53,18 +53,21 @@ def one_line_errors(fn):
               help="What --retain counts: parameters, or the target's predicted latency.")
 @click.option("--layout", default="uniform", show_default=True,
               help="uniform: same shape every layer (plain config); per-layer (--method ddp): DeciLM or plugin package.")
-@click.option("--steps", default=200, show_default=True, help="DDP gate-training steps.")
+@click.option("--steps", default=80, show_default=True, help="DDP gate-training steps (2 × 256 tokens each).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted DDP run from its checkpoint.")
+@click.option("--ddp-start", default="baseline", show_default=True, type=click.Choice(["baseline", "dense"]),
+              help="DDP gates start at the one-shot baseline's selection (refined from there), or dense (the paper's).")
 @click.option("--si-steps", default=20, show_default=True, help="SI: optimisation steps per block.")
 @click.option("--roi-steps", default=40, show_default=True, help="RoI: mask-training steps (512 tokens each).")
 @click.option("--roi-prior", default="wanda", show_default=True, type=click.Choice(["wanda", "sparsegpt"]),
               help="RoI's one-shot start: SparseGPT's mask and weight update, or Wanda scores.")
 @click.option("--calib-dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16"]),
-              help="Precision of the one-shot calibration passes (statistics stay fp32); auto = bf16 where "
+              help="Precision of the one-shot calibration and DDP training passes (statistics, gates and "
+                   "losses stay fp32); auto = bf16 where "
                    "the hardware has it natively.")
 @one_line_errors
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
-             eval_windows, seq_len, seed, threads, budget, layout, steps, resume, si_steps, roi_steps, roi_prior,
+             eval_windows, seq_len, seed, threads, budget, layout, steps, resume, ddp_start, si_steps, roi_steps, roi_prior,
              calib_dtype):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
@@ -77,7 +80,7 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
     run(OptimizeConfig(model=model, target=target, method=method, retain=retain, calib=calib, eval=eval_,
                        out=out, format=fmt, onnx_dtype=onnx_dtype, dry_run=dry_run, engine_version=engine_version, calib_windows=calib_windows,
                        eval_windows=None if eval_windows == "all" else int(eval_windows), seq_len=seq_len,
-                       seed=seed, threads=threads, budget=budget, layout=layout, ddp_steps=steps, resume=resume,
+                       seed=seed, threads=threads, budget=budget, layout=layout, ddp_steps=steps, resume=resume, ddp_start=ddp_start,
                        sparsity=sparsity, si_steps=si_steps, roi_steps=roi_steps, roi_prior=roi_prior,
                        calib_dtype=calib_dtype))
 

@@ -25,6 +25,7 @@ from optimizer.adapters import get_adapter
 from optimizer.errors import UserError
 from optimizer.methods.activation import ActivationImportance
 from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts, peak_rss_gib
+from optimizer.sequential import calibration_dtype
 from optimizer.surgery import layer_shapes, masked, prune, prune_per_layer
 
 TOOL_VERSION = "0.1.0"
@@ -63,10 +64,11 @@ class OptimizeConfig:
     threads: int | None = None
     budget: str = "params"            # what --retain counts: params | latency (on the target)
     layout: str = "uniform"           # uniform (plain config) | per-layer (DDP: DeciLM or plugin package)
-    ddp_steps: int = 200
-    ddp_batch: int = 4
+    ddp_steps: int = 80                # measured: bench/ddp.py
+    ddp_batch: int = 2
     ddp_seq_len: int = 256
-    ddp_prior_spread: float = 0.0     # DDP: start gates ordered by one-shot importance (0 = dense start)
+    ddp_start: str = "baseline"       # DDP: gates start at the one-shot baseline's selection | dense (the paper's)
+    ddp_lr: float = 0.05
     resume: bool = False
     checkpoint_every: int = 25
     sparsity: str = "2:4"             # semi-structured methods: N:M, or an unstructured fraction
@@ -90,6 +92,8 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError("--layout per-layer needs --method ddp (the one-shot activation method is uniform-only)")
     if cfg.layout == "per-layer" and cfg.format != "vllm":
         raise UserError(f"--layout per-layer writes vLLM packages only, not --format {cfg.format}")
+    if cfg.ddp_start not in ("baseline", "dense"):
+        raise UserError(f"--ddp-start must be baseline or dense, got {cfg.ddp_start!r}")
     if cfg.ddp_steps < 1 or cfg.ddp_batch < 1:
         raise UserError("--steps and the DDP batch must be >= 1")
     if cfg.seq_len < 16 or cfg.calib_windows < 1 or (cfg.eval_windows is not None and cfg.eval_windows < 1):
@@ -171,7 +175,7 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
     if plan.method == "activation":
         method, detail = _observe_activation(cfg, model, adapter, train)
     else:
-        method, detail = _observe_ddp(cfg, model, adapter, train, costs, source, calib_text)
+        method, detail = _observe_ddp(cfg, model, adapter, train, held_out, costs, source, calib_text)
     detail["calibration"] = {"source": calib_text.description, "tokens": detail.pop("tokens")}
 
     per_layer = None
@@ -188,17 +192,7 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
             f"{shape.intermediate_size:.1f} channels per block), retention {chosen['retain']:.3f} of block "
             f"parameters; package format: {why}")
     else:
-        candidates = budget.uniform_candidates(adapter, config, cfg.retain, costs=costs)
-        if not candidates:
-            raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
-        tried = []
-        for shape in tqdm(candidates, desc="choosing shape", unit="shape"):
-            with masked(model, adapter, method.decide(shape)):
-                loss = _loss(model, held_out)
-            tried.append({"shape": shape.__dict__, "retain": budget.retention(adapter, config, shape),
-                          "retain_budget": budget.retention(adapter, config, shape, costs), "held_out_loss": loss})
-        best = min(range(len(candidates)), key=lambda i: tried[i]["held_out_loss"])
-        shape, masks, chosen = candidates[best], method.decide(candidates[best]), tried[best]
+        shape, masks, chosen, tried = _choose_uniform(cfg, model, adapter, method, held_out, costs)
         log(f"shape: {shape.num_heads} heads / {shape.num_kv_heads} KV heads / {shape.intermediate_size} channels "
             f"per block (dense {adapter.dense_shape(config).__dict__}), "
             f"retention {chosen['retain']:.3f} of block parameters"
@@ -325,20 +319,42 @@ def _observe_activation(cfg, model, adapter, train: torch.Tensor):
     return importance, {"tokens": stats.numel()}
 
 
-def _observe_ddp(cfg, model, adapter, train: torch.Tensor, costs, source, calib_text):
+def _choose_uniform(cfg, model, adapter, method, held_out: torch.Tensor, costs):
+    """The uniform shape meeting --retain whose masks (method.decide) lose least on held-out
+    calibration text. Returns (shape, masks, chosen, tried)."""
+    config = model.config
+    candidates = budget.uniform_candidates(adapter, config, cfg.retain, costs=costs)
+    if not candidates:
+        raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
+    tried = []
+    for shape in tqdm(candidates, desc="choosing shape", unit="shape"):
+        with masked(model, adapter, method.decide(shape)):
+            loss = _loss(model, held_out)
+        tried.append({"shape": shape.__dict__, "retain": budget.retention(adapter, config, shape),
+                      "retain_budget": budget.retention(adapter, config, shape, costs), "held_out_loss": loss})
+    best = min(range(len(candidates)), key=lambda i: tried[i]["held_out_loss"])
+    return candidates[best], method.decide(candidates[best]), tried[best], tried
+
+
+def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tensor, costs, source, calib_text):
+    baseline_start = cfg.ddp_start == "baseline"
     ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=cfg.ddp_batch, seed=cfg.seed,
-                        prior_spread=cfg.ddp_prior_spread)
+                        lr=cfg.ddp_lr, warmup=0.0 if baseline_start else 0.5,
+                        dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."))
+    start = None
+    if baseline_start:
+        # The one-shot baseline's own choice (same importance, same shape search), then DDP
+        # refines it: which units, in which layers, at which scale.
+        importance, _ = _observe_activation(cfg, model, adapter, train)
+        shape, start_masks, chosen, _ = _choose_uniform(cfg, model, adapter, importance, held_out, costs)
+        start = {"shape": shape.__dict__, "held_out_loss": chosen["held_out_loss"]}
     ddp = DDP(model, adapter, ddp_cfg, UnitCosts(*costs))
-    if ddp_cfg.prior_spread > 0:
-        with torch.no_grad():
-            ddp.gates.enabled = False
-            prior, _ = _observe_activation(cfg, model, adapter, train)
-            ddp.gates.enabled = True
-        ddp.init_from(prior.head_scores, prior.channel_scores)
+    if baseline_start:
+        ddp.start_from(start_masks)
     seq = cfg.ddp_seq_len if cfg.seq_len % cfg.ddp_seq_len == 0 else cfg.seq_len
     chunks = train.reshape(-1, seq)
     key = hashlib.sha256(json.dumps([str(source.hf_dir), calib_text.description, cfg.seq_len, cfg.budget,
-                                     list(costs), vars(ddp_cfg)], default=str).encode()).hexdigest()[:16]
+                                     list(costs), vars(ddp_cfg), start], default=str).encode()).hexdigest()[:16]
     ckpt = load.cache_dir() / "runs" / f"ddp-{key}.pt"
     resumed = cfg.resume and ddp.load(ckpt)
     if cfg.resume and not resumed:
@@ -358,7 +374,7 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, costs, source, calib_
     for p in model.parameters():
         p.requires_grad_(False)
     detail = {"tokens": ddp_cfg.steps * ddp_cfg.batch * seq,
-              "ddp": {**vars(ddp_cfg), "seq_len": seq, "wall_s": round(time.time() - started, 1),
+              "ddp": {**vars(ddp_cfg), "start": cfg.ddp_start, "start_from": start, "seq_len": seq, "wall_s": round(time.time() - started, 1),
                       "resumed_from_step": start_step, "final": stats,
                       "peak_rss_gib": round(peak_rss_gib(), 2), "checkpoint": str(ckpt),
                       "positive_gates": _positive_gates(ddp)}}

@@ -24,12 +24,33 @@ def _trained(family="llama", retain=0.5, steps=30, seed=0):
     return model, adapter, ddp, log, data
 
 
-def test_training_moves_only_the_gates_and_approaches_the_budget():
-    model, adapter, ddp, log, _ = _trained(retain=0.5, steps=40)
-    before = {n: p.clone() for n, p in tiny_model("llama").named_parameters()}
+def test_training_moves_only_the_gates_and_keeps_the_budget():
+    """From the baseline start (the default): weights frozen, gates learn, μ anneals, and the
+    retention, pushed off the budget by returning units, is brought back by λ. (Tiny random
+    models give almost no KD gradient, so only the budget's own dynamics are tested here;
+    the real model's figures are in bench/results/ddp.)"""
+    from optimizer.methods.activation import ActivationImportance
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    data = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    imp = ActivationImportance(model, adapter)
+    imp.add_batch(model, data)
+    imp.remove_hooks()
+    ddp = DDP(model, adapter, DDPConfig(retain=0.5, steps=40, batch=2, lr=0.1, warmup=0.0),
+              UnitCosts.params(adapter, model.config))
+    ddp.start_from(imp.decide(budget.uniform_candidates(adapter, model.config, 0.5)[0]))
+    log = [ddp.step(data[(2 * i) % 8:(2 * i) % 8 + 2]) for i in range(40)]
+    before = dict(tiny_model("llama").named_parameters())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # weights frozen
-    assert log[0]["retain"] > 0.9 and abs(log[-1]["retain"] - 0.5) < abs(log[0]["retain"] - 0.5)
-    assert log[-1]["lambda"] != 0 and log[-1]["mu"] < log[0]["mu"]
+    peak = max(x["retain"] for x in log)
+    assert peak > 0.55 and abs(log[-1]["retain"] - 0.5) < 0.06  # left the budget and came back
+    assert log[-1]["mu"] < log[0]["mu"]
+
+
+def test_dense_start_prunes_towards_the_falling_target():
+    model, adapter, ddp, log, _ = _trained(retain=0.5, steps=40)
+    assert log[0]["retain"] > 0.9 and log[0]["target"] == 1.0 and log[-1]["target"] == 0.5
+    assert min(x["retain"] for x in log) < 0.6
     assert not torch.allclose(ddp.gates.channel, torch.ones_like(ddp.gates.channel))
 
 
@@ -53,7 +74,6 @@ def test_gated_forward_equals_masked_forward_when_gates_are_binary():
     model, adapter, ddp, _, data = _trained(steps=5)
     with torch.no_grad():
         ddp.gates.head.copy_(torch.where(torch.rand_like(ddp.gates.head) > 0.3, 1.3, -1.0))
-        ddp.gates.kv.fill_(1.0)
         ddp.gates.channel.copy_(torch.where(torch.rand_like(ddp.gates.channel) > 0.5, 0.7, -1.0))
     with torch.inference_mode():
         gated = model(data[:2]).logits
@@ -72,7 +92,7 @@ def test_budget_masks_meet_the_budget_exactly():
     kept = sum(adapter.block_params(model.config, b.shape()) for b in masks.blocks)
     dense = model.config.num_hidden_layers * adapter.block_params(model.config, adapter.dense_shape(model.config))
     unit = adapter.unit_params(model.config)
-    assert kept <= 0.5 * dense and kept > 0.5 * dense - max(unit[:3])
+    assert kept <= 0.5 * dense and kept > 0.5 * dense - 2 * max(unit[:3])  # at most one unit of slack either way
 
 
 def test_runs_are_deterministic_under_a_seed_and_resume_exactly(tmp_path):
@@ -98,23 +118,33 @@ def test_runs_are_deterministic_under_a_seed_and_resume_exactly(tmp_path):
         tmp_path / "ckpt.pt"), "a checkpoint of another configuration must not be resumed"
 
 
-def test_importance_prior_orders_the_gates_without_leaving_the_band():
-    import torch
-    from conftest import tiny_model
-    from optimizer.adapters import get_adapter
+def test_a_baseline_start_is_the_baseline_masked_model_and_removed_units_still_learn():
+    """start_from puts the gates at a one-shot selection: the gated model then is that masked
+    model, and a removed unit's gate still gets a KD gradient (relu_ste), so it can return."""
     from optimizer.methods.activation import ActivationImportance
-    from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts
     model = tiny_model("llama")
     adapter = get_adapter(model.config)
+    data = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     imp = ActivationImportance(model, adapter)
-    imp.add_batch(model, torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0)))
+    imp.add_batch(model, data)
     imp.remove_hooks()
-    ddp = DDP(model, adapter, DDPConfig(retain=0.5, steps=4, prior_spread=0.2), UnitCosts.params(adapter, model.config))
-    ddp.init_from(imp.head_scores, imp.channel_scores)
-    z = ddp.gates.channel.detach()
-    assert (z - 1).abs().max() <= 0.2 + 1e-6
-    for layer, scores in enumerate(imp.channel_scores):  # the ordering follows the importance
-        assert torch.equal(z[layer].argsort(), scores.argsort()) or torch.corrcoef(torch.stack([z[layer], scores.log()]))[0, 1] > 0.99
+    shape = budget.uniform_candidates(adapter, model.config, 0.6)[0]
+    masks = imp.decide(shape)
+    ddp = DDP(model, adapter, DDPConfig(retain=0.6, steps=4, warmup=0.0), UnitCosts.params(adapter, model.config))
+    ddp.start_from(masks)
+    with torch.no_grad():
+        gated = model(data).logits
+    ddp.remove_hooks()
+    with torch.no_grad(), masked(model, adapter, masks):
+        torch.testing.assert_close(model(data).logits, gated, atol=1e-5, rtol=1e-5)
+
+    ddp = DDP(model, adapter, DDPConfig(retain=0.6, steps=4, warmup=0.0), UnitCosts.params(adapter, model.config))
+    ddp.start_from(masks)
+    assert ddp.target() == 0.6  # no warm-up from a start that already meets the budget
+    from optimizer.methods.ddp import kd_loss
+    kd_loss(model, ddp.gates, data).backward()
+    removed = ddp.gates.channel.detach() < 0
+    assert removed.any() and (ddp.gates.channel.grad[removed] != 0).any()
 
 
 def test_budget_masks_keep_equally_many_heads_in_every_kept_group():

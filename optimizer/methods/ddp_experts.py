@@ -82,7 +82,7 @@ class ExpertGates:
     # --- observe: one optimisation step per batch ---------------------------------------------
     def step(self, input_ids: torch.Tensor) -> dict:
         mu = self.mu()
-        return self.descend(kd_loss(self.model, self, input_ids), self.scores(mu), mu)
+        return self.descend(kd_loss(self.model, self, input_ids, self.cfg.dtype), self.scores(mu), mu)
 
     # --- decide -------------------------------------------------------------------------------
     def values(self) -> torch.Tensor:
