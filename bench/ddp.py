@@ -109,7 +109,7 @@ def _markdown(results: dict) -> str:
                     else f"{t['wall_s']} s" if t else "—")
             lines.append(f"| {retain} | {method} | {s['num_heads']:g}/{s['num_kv_heads']:g}/{s['intermediate_size']:g} | "
                          f"{r['retain_achieved']:.3f} | {r['ppl']:.2f} | {r['excess_ppl']:.2f} | {ratio} | "
-                         f"{tokens or '—'} | {wall} | {t.get('peak_rss_gib', '—')} GiB |")
+                         f"{tokens or '—'} | {wall} | {str(t['peak_rss_gib']) + ' GiB' if t else '—'} |")
     return "\n".join(lines) + "\n"
 
 
