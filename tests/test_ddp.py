@@ -26,7 +26,7 @@ def _trained(family="llama", retain=0.5, steps=30, seed=0):
 
 def test_training_moves_only_the_gates_and_keeps_the_budget():
     """From the baseline start (the default): weights frozen, gates learn, μ anneals, and the
-    retention, pushed off the budget by returning units, is brought back by λ. (Tiny random
+    retention stays near the budget. (Tiny random
     models give almost no KD gradient, so only the budget's own dynamics are tested here;
     the real model's figures are in bench/results/ddp.)"""
     from optimizer.methods.activation import ActivationImportance
@@ -42,8 +42,7 @@ def test_training_moves_only_the_gates_and_keeps_the_budget():
     log = [ddp.step(data[(2 * i) % 8:(2 * i) % 8 + 2]) for i in range(40)]
     before = dict(tiny_model("llama").named_parameters())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # weights frozen
-    peak = max(x["retain"] for x in log)
-    assert peak > 0.55 and abs(log[-1]["retain"] - 0.5) < 0.06  # left the budget and came back
+    assert abs(log[-1]["retain"] - 0.5) < 0.06 and max(x["retain"] for x in log) < 0.6  # held near the budget
     assert log[-1]["mu"] < log[0]["mu"]
 
 
@@ -87,7 +86,13 @@ def test_gated_forward_equals_masked_forward_when_gates_are_binary():
 
 
 def test_budget_masks_meet_the_budget_exactly():
-    model, adapter, ddp, _, _ = _trained(retain=0.5, steps=20)
+    """Training ends over the budget by a few units: the tie-break cuts the smallest gates
+    until it fits, to within one unit."""
+    model, adapter, ddp, _, _ = _trained(retain=0.5, steps=2)
+    with torch.no_grad():  # 80% of every kind positive, at random scales: well over the budget
+        for z in (ddp.gates.head, ddp.gates.channel):
+            z.copy_(torch.where(torch.rand(z.shape, generator=torch.Generator().manual_seed(1)) < 0.8,
+                                torch.rand(z.shape, generator=torch.Generator().manual_seed(2)) + 0.1, -1.0))
     masks = ddp.budget_masks()
     kept = sum(adapter.block_params(model.config, b.shape()) for b in masks.blocks)
     dense = model.config.num_hidden_layers * adapter.block_params(model.config, adapter.dense_shape(model.config))

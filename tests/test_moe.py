@@ -208,7 +208,7 @@ def test_expert_gates_train_toward_the_budget():
     before = dict(tiny_moe("qwen2_moe").named_parameters())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # weights frozen
     assert log[0]["retain"] > 0.9 and abs(log[-1]["retain"] - 0.5) < abs(log[0]["retain"] - 0.5)
-    assert log[-1]["lambda"] != 0 and log[-1]["mu"] < log[0]["mu"] and log[0]["kd"] == 0
+    assert max(x["lambda"] for x in log) > 0 and log[-1]["mu"] < log[0]["mu"] and log[0]["kd"] == 0
     assert not torch.allclose(gates.z, torch.ones_like(gates.z))
     keep, scales = gates.decide()
     assert gates.budget_count() == 3 and all(len(k) == 3 for k in keep)
