@@ -145,17 +145,32 @@ def _restore_digit_splitting(tok) -> None:
     ])
 
 
+def _our_per_layer_package(path: Path) -> bool:
+    """A per-layer package this tool wrote carries its own model code (modeling_per_layer.py,
+    our plugin class); that code, and only that, is trusted without asking."""
+    import json
+    manifest = path / "manifest.json"
+    if not (manifest.is_file() and (path / "modeling_per_layer.py").is_file()):
+        return False
+    try:
+        return json.loads(manifest.read_text()).get("tool", {}).get("name") == "llm-deploy-optimizer"
+    except (OSError, ValueError):
+        return False
+
+
 def load_model(source: ModelSource, dtype=None):
     """Load (model, tokenizer) from a resolved source, in eval mode, fp32 by default."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    ours = _our_per_layer_package(Path(source.hf_dir))
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=dtype or torch.float32,
+                                                     trust_remote_code=ours)
     except Exception as e:
         raise UserError(f"{source.description}: could not load the model "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
     try:
-        tok = AutoTokenizer.from_pretrained(source.hf_dir)
+        tok = AutoTokenizer.from_pretrained(source.hf_dir, trust_remote_code=ours)
     except Exception as e:
         raise UserError(f"{source.description}: could not load the tokenizer ({type(e).__name__})") from None
     model.eval()

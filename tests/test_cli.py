@@ -29,7 +29,7 @@ def test_optimize_writes_a_complete_package(tiny_dirs, text_file, tmp_path, fami
               "launch.sh", "Dockerfile"):
         assert (out / f).is_file(), f
     m = json.loads((out / "manifest.json").read_text())
-    assert m["target"]["name"] == "l4" and m["method"]["plan"] == "activation"
+    assert m["target"]["name"] == "l4" and m["method"]["plan"] == "ddp"
     assert 0.45 < m["method"]["retain_achieved"] <= 0.6
     assert m["size"]["params_pruned"] < m["size"]["params_dense"]
     assert m["quality"]["perplexity"]["pruned"] > 1
