@@ -148,7 +148,6 @@ def _restore_digit_splitting(tok) -> None:
 def _our_per_layer_package(path: Path) -> bool:
     """A per-layer package this tool wrote carries its own model code (modeling_per_layer.py,
     our plugin class); that code, and only that, is trusted without asking."""
-    import json
     manifest = path / "manifest.json"
     if not (manifest.is_file() and (path / "modeling_per_layer.py").is_file()):
         return False

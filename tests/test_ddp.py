@@ -24,21 +24,26 @@ def _trained(family="llama", retain=0.5, steps=30, seed=0):
     return model, adapter, ddp, log, data
 
 
+def _baseline_masks(model, adapter, data, retain):
+    """The one-shot activation method's masks for the first uniform shape meeting `retain`."""
+    from optimizer.methods.activation import ActivationImportance
+    imp = ActivationImportance(model, adapter)
+    imp.add_batch(model, data)
+    imp.remove_hooks()
+    return imp.decide(budget.uniform_candidates(adapter, model.config, retain)[0])
+
+
 def test_training_moves_only_the_gates_and_keeps_the_budget():
     """From the baseline start (the default): weights frozen, gates learn, μ anneals, and the
     retention stays near the budget. (Tiny random
     models give almost no KD gradient, so only the budget's own dynamics are tested here;
     the real model's figures are in bench/results/ddp.)"""
-    from optimizer.methods.activation import ActivationImportance
     model = tiny_model("llama")
     adapter = get_adapter(model.config)
     data = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
-    imp = ActivationImportance(model, adapter)
-    imp.add_batch(model, data)
-    imp.remove_hooks()
     ddp = DDP(model, adapter, DDPConfig(retain=0.5, steps=40, batch=2, lr=0.1, warmup=0.0),
               UnitCosts.params(adapter, model.config))
-    ddp.start_from(imp.decide(budget.uniform_candidates(adapter, model.config, 0.5)[0]))
+    ddp.start_from(_baseline_masks(model, adapter, data, 0.5))
     log = [ddp.step(data[(2 * i) % 8:(2 * i) % 8 + 2]) for i in range(40)]
     before = dict(tiny_model("llama").named_parameters())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # weights frozen
@@ -126,15 +131,10 @@ def test_runs_are_deterministic_under_a_seed_and_resume_exactly(tmp_path):
 def test_a_baseline_start_is_the_baseline_masked_model_and_removed_units_still_learn():
     """start_from puts the gates at a one-shot selection: the gated model then is that masked
     model, and a removed unit's gate still gets a KD gradient (relu_ste), so it can return."""
-    from optimizer.methods.activation import ActivationImportance
     model = tiny_model("llama")
     adapter = get_adapter(model.config)
     data = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    imp = ActivationImportance(model, adapter)
-    imp.add_batch(model, data)
-    imp.remove_hooks()
-    shape = budget.uniform_candidates(adapter, model.config, 0.6)[0]
-    masks = imp.decide(shape)
+    masks = _baseline_masks(model, adapter, data, 0.6)
     ddp = DDP(model, adapter, DDPConfig(retain=0.6, steps=4, warmup=0.0), UnitCosts.params(adapter, model.config))
     ddp.start_from(masks)
     with torch.no_grad():

@@ -28,7 +28,6 @@ shape, or `budget_masks()` for per-layer shapes meeting the budget exactly.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
