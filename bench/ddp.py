@@ -3,6 +3,7 @@
     .venv/bin/python bench/ddp.py                                   # 0.8 / 0.7 / 0.5, params budget
     .venv/bin/python bench/ddp.py --retain 0.7 --steps 120          # one level, longer training
     .venv/bin/python bench/ddp.py --retain 0.7 --budget latency     # hardware-aware budget
+    .venv/bin/python bench/ddp.py --retain 0.7 --beta 25 --out bench/results/ddp-probes/beta25   # settings
 
 Levels run as separate processes (one per core) write separate files
 (ddp-{budget}-r{retain}.json); the table gathers every level present.
@@ -10,7 +11,8 @@ Levels run as separate processes (one per core) write separate files
 Same data protocol as bench/spine.py: calibration (and DDP training text) from WikiText-2
 validation, perplexity on WikiText-2 raw test in 2048-token windows (--eval-windows). For each
 retention: the baseline (--method activation), DDP exported per layer (its natural result), and
-the same trained gates exported uniformly (the checkpoint is reused: one training per level);
+the same trained gates exported uniformly (the checkpoint is reused: one training per level;
+--project-uniform trains the uniform layout's own gates, projected onto the baseline's shape);
 their perplexities, DDP's training tokens, wall time and peak memory. Writes
 bench/results/ddp/ddp-{budget}-r*.json and ddp-{budget}.md;
 serve them with `bench PACKAGE --baseline embedded` for the speed ratios.
@@ -41,11 +43,15 @@ def main() -> None:
     ap.add_argument("--target", default="a100")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--batch", type=int, default=2, help="DDP sequences (of 256 tokens) per step")
+    ap.add_argument("--beta", type=float, default=50.0, help="DDP augmented-Lagrangian penalty")
+    ap.add_argument("--beta-start", type=float, default=None, help="β rises geometrically from this to --beta")
     ap.add_argument("--ddp-start", default="baseline", choices=["baseline", "dense"])
     ap.add_argument("--eval-windows", default="all")
     ap.add_argument("--calib-windows", type=int, default=8, help="windows of 2048 for the importance and DDP training")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--project-uniform", action="store_true", help="train the uniform layout's own gates, projected onto the baseline's shape")
+    ap.add_argument("--layouts", nargs="+", default=["per-layer", "uniform"], choices=["per-layer", "uniform"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ddp"))
     args = ap.parse_args()
 
@@ -54,32 +60,37 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     protocol = {"target": args.target, "budget": args.budget, "steps": args.steps, "batch": args.batch,
-                "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
+                "beta": args.beta, "beta_start": args.beta_start, "project_uniform": args.project_uniform, "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
                 "eval": str(data / "wikitext2-raw-test.txt"), "eval_windows": args.eval_windows,
                 "torch_threads": args.threads, "command": " ".join(sys.argv)}
     runs = [("activation", "uniform")] if not args.skip_baseline else []
-    runs += [("ddp", "per-layer"), ("ddp", "uniform")]
+    runs += [("ddp", layout) for layout in args.layouts]
     for retain in args.retain:
         path = out / f"ddp-{args.budget}-r{retain:.2f}.json"
-        level = {"protocol": protocol, "runs": {}}
+        # Runs of one level may come from separate processes (--layouts): merge, newest wins.
+        level = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
+        level["protocol"] = protocol
         for method, layout in runs:
             name = method if method == "activation" else f"ddp-{layout}"
-            pkg = ROOT / "out" / "ddp" / f"smollm2-{args.target}-{name}-{args.budget}-r{retain:.2f}"
+            pkg = ROOT / "out" / out.name / f"smollm2-{args.target}-{name}-{args.budget}-r{retain:.2f}"
             shutil.rmtree(pkg, ignore_errors=True)
             t0 = time.time()
             m = optimize(OptimizeConfig(
                 target=args.target, method=method, retain=retain, budget=args.budget, layout=layout,
                 calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
                 out=str(pkg), calib_windows=args.calib_windows, ddp_steps=args.steps, ddp_batch=args.batch, seq_len=2048,
-                threads=args.threads, ddp_start=args.ddp_start,
-                resume=layout == "uniform",  # the uniform export reuses the per-layer run's gates
+                threads=args.threads, ddp_start=args.ddp_start, ddp_beta=args.beta, ddp_beta_start=args.beta_start,
+                ddp_project_uniform=args.project_uniform,
+                # the uniform export reuses the per-layer run's gates, unless it trains its own
+                resume=layout == "uniform" and not args.project_uniform,
                 eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)))["manifest"]
             q = m["quality"]["perplexity"]
             level["runs"][name] = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),
                                    "shape": m["method"]["shape"], "retain_achieved": m["method"]["retain_achieved"],
                                    "retain_budget_achieved": m["method"]["retain_budget_achieved"],
                                    "ppl_dense": q["dense"], "ppl": q["pruned"], "excess_ppl": q["pruned"] - q["dense"],
-                                   "ideal_ratio": m["size"]["ideal_ratio"], "training": m["method"].get("ddp")}
+                                   "ideal_ratio": m["size"]["ideal_ratio"], "training": m["method"].get("ddp"),
+                                   "command": protocol["command"]}
             path.write_text(json.dumps(level, indent=2) + "\n")
     results = {"protocol": protocol, "levels": {}}
     for f in sorted(out.glob(f"ddp-{args.budget}-r*.json")):
@@ -95,7 +106,7 @@ def _markdown(results: dict) -> str:
              f"Perplexity on {Path(p['eval']).name} ({p['eval_windows']} windows of 2048); DDP trained "
              f"{p['steps']} steps × {p['batch']} × 256 tokens of {Path(p['calib']).name}, starting from "
              f"the {p['ddp_start']} selection; torch threads {p['torch_threads']}. The two DDP rows of a level "
-             "are one training exported two ways.", "",
+             "are one training exported two ways (unless project_uniform).", "",
              "| retain | method | shape (heads/KV/MLP) | achieved | PPL | excess PPL | DDP excess / baseline | "
              "train tokens | train wall | peak RSS |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -167,3 +167,36 @@ def test_budget_masks_keep_equally_many_heads_in_every_kept_group():
     pruned = prune_per_layer(model, adapter, masks)  # loads without complaint
     with torch.no_grad():
         assert torch.isfinite(pruned(data[:1]).logits).all()
+
+
+def test_uniform_training_holds_one_shape_and_ships_the_model_it_trained():
+    """--layout uniform from the baseline start: every step's forward is a model of the
+    baseline's shape (the best units per layer by z), and the exported model is the gated one."""
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    data = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    shape = budget.uniform_candidates(adapter, model.config, 0.6)[0]
+    start = _baseline_masks(model, adapter, data, 0.6)
+    ddp = DDP(model, adapter, DDPConfig(retain=0.6, steps=15, batch=2, lr=0.1, warmup=0.0, shape=dict(shape.__dict__)),
+              UnitCosts.params(adapter, model.config))
+    ddp.start_from(start)
+    log = [ddp.step(data[(2 * i) % 8:(2 * i) % 8 + 2]) for i in range(15)]
+    assert len({x["retain"] for x in log}) == 1 and log[0]["retain"] <= 0.6
+    masks = ddp.decide(shape)
+    assert masks != start, "the gates moved: scales at least"
+    with torch.inference_mode():
+        gated = model(data[:2]).logits
+    ddp.remove_hooks()
+    with torch.inference_mode():
+        got = prune(model, adapter, masks)(data[:2]).logits
+    torch.testing.assert_close(got, gated, atol=1e-5, rtol=1e-5)
+
+
+def test_beta_can_rise_geometrically_over_the_run():
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    ddp = DDP(model, adapter, DDPConfig(retain=0.5, steps=11, beta=50.0, beta_start=5.0), UnitCosts.params(adapter, model.config))
+    assert ddp.beta() == pytest.approx(5.0)
+    ddp.step_count = 10
+    assert ddp.beta() == pytest.approx(50.0)
+    assert DDP(model, adapter, DDPConfig(retain=0.5, beta=15.0), UnitCosts.params(adapter, model.config)).beta() == 15.0

@@ -294,3 +294,10 @@ def test_markdown_plot_and_write_report(tmp_path):
     text = (out / "bench.md").read_text()
     assert "Best-of-N" in text and "1.20×" in text
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ideal_ratio_against_another_package_is_the_quotient_of_both_ideals():
+    from serve.cli import _ideal_ratio
+    pkg = {"size": {"ideal_ratio": 1.33}}
+    assert _ideal_ratio(pkg, None) == 1.33  # against the dense model
+    assert _ideal_ratio(pkg, {"size": {"ideal_ratio": 1.32}}) == pytest.approx(1.33 / 1.32)

@@ -42,7 +42,7 @@ from optimizer.surgery import BlockMask, Masks
 
 
 # Bumped whenever training changes what a checkpoint means: `load` refuses older ones.
-ALGORITHM = "ddp-3: per-head gates, relu_ste, ramp continued below zero, inequality AL"
+ALGORITHM = "ddp-4: per-head gates, relu_ste, ramp continued below zero, inequality AL; uniform projection"
 
 
 @dataclass
@@ -51,8 +51,12 @@ class DDPConfig:
     steps: int = 200
     batch: int = 4
     lr: float = 0.05
-    beta: float = 50.0         # augmented-Lagrangian penalty, also the dual step size (5 was too
-                               # slow: λ lagged and runs ended 0.04–0.07 over the budget)
+    beta: float = 50.0         # augmented-Lagrangian penalty, also the dual step size. SmolLM2
+                               # (bench/results/ddp-probes): lower β swaps more units (0.7 per
+                               # layer: 36.7 at 15, 38.7 at 25, 41.7 at 50) but ends over the budget
+                               # where it is tight and the final cut costs most (0.5: 138, 94, 79;
+                               # uniform export at 0.5: 164 at 25, 104 at 50)
+    beta_start: float | None = None  # None: β throughout; else β rises geometrically from this
     gamma: float = 0.5         # binarisation weight at the end (ramped linearly from 0)
     mu_start: float = 1.0      # ramp width: s = clip(z / mu, 0, 1) = 1 at the dense start z = 1
     mu_end: float = 0.05
@@ -60,6 +64,8 @@ class DDPConfig:
     warmup: float = 0.5        # fraction of steps over which the target falls from 1 to retain (0: at once)
     removed: float = 0.25      # start_from: removed units start at z = -removed
     dtype: str = "float32"     # "bfloat16": the KD passes under bf16 autocast (gates and KL stay fp32)
+    shape: dict | None = None  # uniform layout: every step projects the gates onto this block shape
+                               # (the best units per layer by z), so no budget term is needed
     seed: int = 0
 
 
@@ -134,6 +140,8 @@ class DDP:
         self.head_dim = adapter.head_dim(config)
         self.layers = config.num_hidden_layers
         self.gates = Gates(self.layers, self.dense, cfg.init)
+        self.shape = BlockShape(**cfg.shape) if cfg.shape else None
+        self._projection = None  # (step, head keep [L, H], channel keep [L, I]) for self.shape
         self.opt = torch.optim.Adam(self.gates.parameters(), lr=cfg.lr)
         self.lam = 0.0
         self.step_count = 0
@@ -153,12 +161,27 @@ class DDP:
         def hook(_mod, args):
             if not self.gates.enabled:
                 return None
+            z = (self.gates.head if kind == "head" else self.gates.channel)[layer]
+            if self.shape is None:
+                g = relu_ste(z)
+            else:  # forward: the uniform model being trained; backward: as relu_ste
+                keep = self._projected()[0 if kind == "head" else 1][layer]
+                g = z + (z.clamp_min(0) * keep - z).detach()
             if kind == "head":
-                g = self.gates.head_gate()[layer].repeat_interleave(self.head_dim)
-            else:
-                g = self.gates.channel_gate()[layer]
+                g = g.repeat_interleave(self.head_dim)
             return (args[0] * g.to(args[0].dtype),) + tuple(args[1:])
         return hook
+
+    def _projected(self):
+        """The units `decide(self.shape)` keeps for the current gates, cached per step."""
+        if self._projection is None or self._projection[0] != self.step_count:
+            masks = self.decide(self.shape)
+            keep_h, keep_c = torch.zeros_like(self.gates.head), torch.zeros_like(self.gates.channel)
+            for layer, b in enumerate(masks.blocks):
+                keep_h[layer, b.heads] = 1.0
+                keep_c[layer, b.channels] = 1.0
+            self._projection = (self.step_count, keep_h, keep_c)
+        return self._projection[1:]
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -173,6 +196,12 @@ class DDP:
         start = self.cfg.warmup * self.cfg.steps
         t = min(1.0, max(0.0, self.step_count - start) / max(1, self.cfg.steps - 1 - start))
         return self.cfg.mu_start * (self.cfg.mu_end / self.cfg.mu_start) ** t
+
+    def beta(self) -> float:
+        if self.cfg.beta_start is None:
+            return self.cfg.beta
+        t = self.step_count / max(1, self.cfg.steps - 1)
+        return self.cfg.beta_start * (self.cfg.beta / self.cfg.beta_start) ** t
 
     def target(self) -> float:
         # A moving target keeps c small while the gates sort themselves; a fixed one lets
@@ -192,6 +221,8 @@ class DDP:
     def step(self, input_ids: torch.Tensor) -> dict:
         mu = self.mu()
         kd = kd_loss(self.model, self.gates, input_ids, self.cfg.dtype)
+        if self.shape is not None:
+            return self._descend_projected(kd)
         s_head, _, s_chan = self.gates.scores(mu)
         return self.descend(kd, torch.cat([s_head.flatten(), s_chan.flatten()]), mu)
 
@@ -208,14 +239,27 @@ class DDP:
         # equality form λ went negative from the baseline start, pulled units back in, and the
         # run ended 0.04–0.07 over the target for the tie-break to cut (SmolLM2 at 0.5: PPL 139
         # with β = 5 equality, 79 with β = 50 inequality, at a smaller retention).
-        budget = (torch.relu(self.lam + cfg.beta * c) ** 2 - self.lam ** 2) / (2 * cfg.beta)
+        beta = self.beta()
+        budget = (torch.relu(self.lam + beta * c) ** 2 - self.lam ** 2) / (2 * beta)
         loss = kd + budget + gamma * (s * (1 - s)).mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
-        self.lam = max(0.0, self.lam + cfg.beta * c.item())
+        self.lam = max(0.0, self.lam + beta * c.item())
         self.step_count += 1
         return {"kd": kd.item(), "retain": c.item() + target, "target": target, "lambda": self.lam, "mu": mu}
+
+    def _descend_projected(self, kd: torch.Tensor) -> dict:
+        """Uniform layout: the forward already is a model of `self.shape`, so only KD trains
+        the gates. A unit outside the projection still gets KD's gradient (as in relu_ste)
+        and swaps in when its z passes the weakest kept unit's of its layer."""
+        self.opt.zero_grad(set_to_none=True)
+        kd.backward()
+        self.opt.step()
+        self.step_count += 1
+        kept = self.layers * self.costs.block(self.shape.num_heads, self.shape.num_kv_heads,
+                                              self.shape.intermediate_size) / self.dense_cost
+        return {"kd": kd.item(), "retain": kept, "target": self.cfg.retain, "lambda": 0.0, "mu": 0.0}
 
     def start_from(self, masks: Masks) -> None:
         """Start at a one-shot selection that already meets the budget (`start="baseline"`):
@@ -229,6 +273,7 @@ class DDP:
             for layer, b in enumerate(masks.blocks):
                 self.gates.head[layer, b.heads] = self.cfg.init
                 self.gates.channel[layer, b.channels] = self.cfg.init
+        self._projection = None
 
     # --- checkpoint / resume ------------------------------------------------------------------
     def state(self) -> dict:
@@ -251,6 +296,7 @@ class DDP:
         self.gates.load_state_dict(state["gates"])
         self.opt.load_state_dict(state["opt"])
         self.lam, self.step_count = state["lam"], state["step"]
+        self._projection = None
         torch.set_rng_state(state["rng"])
         return True
 
@@ -261,9 +307,11 @@ class DDP:
             return list(F.relu(self.gates.head)), list(F.relu(self.gates.channel))
 
     def decide(self, shape: BlockShape) -> Masks:
-        """Uniform layout: the best units per block for `shape`, their gates as scales."""
+        """Uniform layout: the best units per block for `shape` (by z: among units at
+        ReLU(z) = 0 the order is still the training's), their ReLU(z) as scales."""
         heads, chans = self.unit_values()
-        masks = select_uniform(heads, chans, self.dense, shape)
+        with torch.no_grad():
+            masks = select_uniform(list(self.gates.head.detach()), list(self.gates.channel.detach()), self.dense, shape)
         for b, h, c in zip(masks.blocks, heads, chans):
             b.head_scale = h[b.heads].tolist()
             b.channel_scale = c[b.channels].tolist()

@@ -40,6 +40,7 @@ class ExpertGates:
     mu = DDP.mu          # μ held during the warm-up, then annealed geometrically to mu_end
     target = DDP.target  # the retention target falls from 1 to cfg.retain over the warm-up
     descend = DDP.descend  # budget + binarisation + Adam step + dual ascent, as for heads and channels
+    beta = DDP.beta
 
     def __init__(self, model, adapter, cfg: DDPConfig):
         self.model, self.adapter, self.cfg = model, as_moe_adapter(adapter), cfg
