@@ -98,12 +98,6 @@ class Gates(nn.Module):
         self.channel = nn.Parameter(torch.full((layers, dense.intermediate_size), init))
         self.enabled = True
 
-    def head_gate(self) -> torch.Tensor:  # [L, H]
-        return relu_ste(self.head)
-
-    def channel_gate(self) -> torch.Tensor:  # [L, I]
-        return relu_ste(self.channel)
-
     def scores(self, mu: float):
         """(heads, KV groups, channels). A clipped linear ramp, not a sigmoid: a sigmoid
         saturates for z >> mu, so the budget sees no response while every gate drifts down
@@ -173,9 +167,10 @@ class DDP:
         return hook
 
     def _projected(self):
-        """The units `decide(self.shape)` keeps for the current gates, cached per step."""
+        """The units `decide(self.shape)` keeps for the current gates, as 0/1 [L, H] and [L, I]
+        tensors, cached per step."""
         if self._projection is None or self._projection[0] != self.step_count:
-            masks = self.decide(self.shape)
+            masks = self._select(self.shape)
             keep_h, keep_c = torch.zeros_like(self.gates.head), torch.zeros_like(self.gates.channel)
             for layer, b in enumerate(masks.blocks):
                 keep_h[layer, b.heads] = 1.0
@@ -306,12 +301,15 @@ class DDP:
         with torch.no_grad():
             return list(F.relu(self.gates.head)), list(F.relu(self.gates.channel))
 
+    def _select(self, shape: BlockShape) -> Masks:
+        """The best units per block for `shape`, by z (among units at ReLU(z) = 0 the order is
+        still the training's); no scales."""
+        return select_uniform(list(self.gates.head.detach()), list(self.gates.channel.detach()), self.dense, shape)
+
     def decide(self, shape: BlockShape) -> Masks:
-        """Uniform layout: the best units per block for `shape` (by z: among units at
-        ReLU(z) = 0 the order is still the training's), their ReLU(z) as scales."""
+        """Uniform layout: `_select(shape)`, with the kept units' ReLU(z) as scales."""
         heads, chans = self.unit_values()
-        with torch.no_grad():
-            masks = select_uniform(list(self.gates.head.detach()), list(self.gates.channel.detach()), self.dense, shape)
+        masks = self._select(shape)
         for b, h, c in zip(masks.blocks, heads, chans):
             b.head_scale = h[b.heads].tolist()
             b.channel_scale = c[b.channels].tolist()
