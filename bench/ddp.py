@@ -42,7 +42,9 @@ def main() -> None:
     ap.add_argument("--budget", default="params", choices=["params", "latency"])
     ap.add_argument("--target", default="a100")
     ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--batch", type=int, default=2, help="DDP sequences (of 256 tokens) per step")
+    ap.add_argument("--batch", type=int, default=2, help="DDP sequences (of --seq-len tokens) per step")
+    ap.add_argument("--seq-len", type=int, default=256, help="DDP training sequence length (divides 2048)")
+    ap.add_argument("--lr", type=float, default=0.05, help="DDP gate learning rate (Adam)")
     ap.add_argument("--beta", type=float, default=50.0, help="DDP augmented-Lagrangian penalty")
     ap.add_argument("--beta-start", type=float, default=None, help="β rises geometrically from this to --beta")
     ap.add_argument("--ddp-start", default="baseline", choices=["baseline", "dense"])
@@ -60,6 +62,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     protocol = {"target": args.target, "budget": args.budget, "steps": args.steps, "batch": args.batch,
+                "seq_len": args.seq_len, "lr": args.lr,
                 "beta": args.beta, "beta_start": args.beta_start, "project_uniform": args.project_uniform, "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
                 "eval": str(data / "wikitext2-raw-test.txt"), "eval_windows": args.eval_windows,
                 "torch_threads": args.threads, "command": " ".join(sys.argv)}
@@ -79,6 +82,7 @@ def main() -> None:
                 target=args.target, method=method, retain=retain, budget=args.budget, layout=layout,
                 calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
                 out=str(pkg), calib_windows=args.calib_windows, ddp_steps=args.steps, ddp_batch=args.batch, seq_len=2048,
+                ddp_seq_len=args.seq_len, ddp_lr=args.lr,
                 threads=args.threads, ddp_start=args.ddp_start, ddp_beta=args.beta, ddp_beta_start=args.beta_start,
                 ddp_project_uniform=args.project_uniform,
                 # the uniform export reuses the per-layer run's gates, unless it trains its own

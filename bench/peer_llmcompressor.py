@@ -14,6 +14,13 @@ import time
 
 import torch
 
+# Bumped when the peer's recipe changes; bench/sparse.py reruns cached peer results of another.
+PEER_RECIPE = "2: blocks only (lm_head ignored)"
+
+
+def _zero_fraction(w: torch.Tensor) -> float:
+    return (w == 0).float().mean().item()
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -34,18 +41,27 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(a.model)
     ds = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
-    recipe = [SparseGPTModifier(sparsity=0.5, mask_structure=a.sparsity, targets=["Linear"], ignore=["lm_head"])]
+    # "re:.*lm_head", not "lm_head": llm-compressor 0.14 names the head's Linear "lm_head." when
+    # it matches ignores, so a plain "lm_head" never matched and the head was pruned to 2:4 too
+    # (and with it SmolLM2's tied input embeddings): PPL 103.7 where the blocks alone give ~63.
+    recipe = [SparseGPTModifier(sparsity=0.5, mask_structure=a.sparsity, targets=["Linear"], ignore=["re:.*lm_head"])]
+    head_zeros_before = _zero_fraction(model.get_output_embeddings().weight)
     started = time.time()
     oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=windows.shape[1],
             num_calibration_samples=len(windows))
     wall = time.time() - started
+    head_zeros = _zero_fraction(model.get_output_embeddings().weight)
+    if head_zeros > head_zeros_before + 0.01:  # (a GGUF-converted head has ~1% exact zeros already)
+        raise SystemExit(f"the peer pruned lm_head ({head_zeros_before:.1%} → {head_zeros:.1%} zeros): "
+                         "the comparison would not be like for like")
     # save plain tensors: the bench evaluates the weights, not the compressed storage format
     model.save_pretrained(a.out, save_compressed=False)
     tok.save_pretrained(a.out)
     import llmcompressor
     with open(f"{a.out}/peer.json", "w") as f:
         json.dump({"tool": f"llm-compressor {llmcompressor.__version__}", "oneshot_wall_s": round(wall, 1),
-                   "windows": list(windows.shape), "threads": a.threads, "sparsity": a.sparsity}, f)
+                   "windows": list(windows.shape), "threads": a.threads, "sparsity": a.sparsity,
+                   "recipe": PEER_RECIPE, "lm_head_zero_fraction": head_zeros}, f)
     print(json.dumps({"oneshot_wall_s": wall}))
 
 

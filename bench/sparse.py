@@ -14,7 +14,8 @@ The peer runs `oneshot` with SparseGPTModifier(mask_structure="2:4") in .venv-pe
 windows (bench/peer_llmcompressor.py), in its own process *at the same time* as our runs, so
 both see the same machine load; its wall time is `oneshot` alone. A finished peer run is cached
 per window count; `--fresh-peer` reruns it beside this invocation's runs, and only runs made
-beside a running peer get a wall-time ratio in the table (`beside_peer`).
+beside a running peer — still running when ours ended — get a wall-time ratio in the table
+(`beside_peer`).
 
 Writes bench/results/sparse/sparse.json and sparse.md.
 """
@@ -37,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from optimizer import data as data_mod, evaluate, load  # noqa: E402
 from optimizer.pipeline import OptimizeConfig, _dense_perplexity, optimize  # noqa: E402
+from peer_llmcompressor import PEER_RECIPE  # noqa: E402  (bench/ is this script's directory)
 
 DEFAULT_RUNS = ["magnitude:2:4", "wanda:2:4", "sparsegpt:2:4", "si+magnitude:2:4", "si+wanda:2:4",
                 "si+sparsegpt:2:4", "roi:2:4",
@@ -47,7 +49,8 @@ PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
-    ap.add_argument("--runs", nargs="*", default=DEFAULT_RUNS, help="method:N:M entries")
+    ap.add_argument("--runs", nargs="*", default=DEFAULT_RUNS,
+                    help="method:N:M entries; method:N:M@float32 (or @bfloat16) sets that run's --calib-dtype")
     ap.add_argument("--calib-windows", type=int, default=32)
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
@@ -110,21 +113,22 @@ def main() -> None:
     elif not args.no_peer:
         print(f"peer skipped: {PEER_PYTHON} missing (run bench/setup_peer.sh)")
     for run in args.runs:
-        method, pattern = run.split(":", 1)
+        spec, _, dtype = run.partition("@")  # "sparsegpt:2:4@float32": this run's passes' dtype
+        method, pattern = spec.split(":", 1)
         if args.reuse and run in results["runs"]:
             continue
-        pkg = work / f"{method}-{pattern.replace(':', 'of')}"
+        pkg = work / f"{method}-{pattern.replace(':', 'of')}{'-' + dtype if dtype else ''}"
         shutil.rmtree(pkg, ignore_errors=True)
         r = optimize(OptimizeConfig(target="h100", engine_version="0.18.0", method=method, sparsity=pattern,
                                     calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
                                     calib_windows=args.calib_windows, eval_windows=args.eval_windows,
                                     threads=args.threads, si_steps=args.si_steps, roi_steps=args.roi_steps, out=str(pkg),
-                                    calib_dtype=args.calib_dtype,
+                                    calib_dtype=dtype or args.calib_dtype,
                                     log=lambda *a: print(*a, flush=True)))
         m = r["manifest"]["method"]
         results["runs"][run] = {"method": method, "sparsity": pattern, "ppl": r["manifest"]["quality"]["perplexity"]["pruned"],
                                 "wall_s": m["wall_s"], "zero_fraction": m["zero_fraction"],
-                                "calib_dtype": m.get("calib_dtype", "float32"), "beside_peer": peer is not None and peer[1] is not None,
+                                "calib_dtype": m.get("calib_dtype", "float32"), "beside_peer": peer is not None and peer[1] is not None and peer[1].poll() is None,
                                 **{k: m[k] for k in ("si", "roi") if k in m}}
         mine.add(run)
         _save(results, path, mine)
@@ -165,7 +169,8 @@ def _start_peer(source, calib, work: Path, threads: int, fresh: bool = False):
     windows = work / f"calib-windows-w{len(calib)}.pt"
     torch.save(calib, windows)
     pkg = work / f"peer-sparsegpt-2of4-w{len(calib)}"
-    if (pkg / "peer.json").is_file() and not fresh:
+    cached = json.loads((pkg / "peer.json").read_text()) if (pkg / "peer.json").is_file() else {}
+    if cached.get("recipe") == PEER_RECIPE and not fresh:
         return pkg, None
     shutil.rmtree(pkg, ignore_errors=True)
     proc = subprocess.Popen([str(PEER_PYTHON), str(ROOT / "bench" / "peer_llmcompressor.py"), str(source.hf_dir),
@@ -184,7 +189,7 @@ def _finish_peer(pkg: Path, proc, evalw) -> dict:
         del cfg.quantization_config
     model = AutoModelForCausalLM.from_pretrained(pkg, config=cfg, dtype=torch.float32).eval()
     return {"method": peer["tool"], "sparsity": "2:4", "ppl": evaluate.perplexity(model, evalw, "peer perplexity"),
-            "wall_s": peer["oneshot_wall_s"], "threads": peer["threads"]}
+            "wall_s": peer["oneshot_wall_s"], "threads": peer["threads"], "recipe": peer.get("recipe")}
 
 
 def _save(results: dict, path: Path, mine: set | None = None) -> None:

@@ -311,6 +311,30 @@ def test_sparsegpt_fast_sweep_equals_the_textbook_loop(pattern):
     torch.testing.assert_close(layer.weight.detach(), want, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("pattern", ["2:4", "0.5"])
+def test_sparsegpt_with_its_own_mask_imposed_reproduces_itself(pattern):
+    """An imposed keep-mask (RoI's learned one) only reconstructs: given the mask SparseGPT
+    itself would choose, the weights come out identical; any other mask is kept exactly."""
+    layer, x = _layer_and_inputs(d_in=320, d_out=40)
+    W = layer.weight.detach().clone()
+    p = SparseGPT(layer)
+    p.add_batch(x[None])
+    keep = p.prune(parse(pattern))
+    chosen = layer.weight.detach().clone()
+    with torch.no_grad():
+        layer.weight.copy_(W)
+    assert torch.equal(p.prune(parse(pattern), keep_mask=keep), keep)
+    torch.testing.assert_close(layer.weight.detach(), chosen, atol=1e-6, rtol=1e-5)
+    other = parse("2:4").mask(torch.rand(W.shape, generator=torch.Generator().manual_seed(3)))
+    with torch.no_grad():
+        layer.weight.copy_(W)
+    assert torch.equal(p.prune(parse("2:4"), keep_mask=other), other)
+    assert torch.equal(layer.weight != 0, other & (W != 0))
+    ref = x @ W.t()
+    naive = x @ (W * other).t()
+    assert (x @ layer.weight.t() - ref).pow(2).mean() < (naive - ref).pow(2).mean()
+
+
 def test_linears_reading_one_tensor_share_statistics_equal_to_their_own():
     """q/k/v (and gate/up) read the same tensor: one collects, the others adopt; every
     pruner must still hold exactly the statistics of its own input."""

@@ -50,13 +50,16 @@ class SparseGPT:
         return W.pow(2) / d.pow(2)[None, :]
 
     @torch.no_grad()
-    def prune(self, sparsity: Sparsity) -> torch.Tensor:
+    def prune(self, sparsity: Sparsity, keep_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Prune to `sparsity` with OBS updates; with `keep_mask` ([out, in] bool, e.g. RoI's
+        learned mask) that mask is imposed instead of chosen, and the sweep only reconstructs."""
         W = self.layer.weight.detach().float().clone()
         Hinv = self._hinv_upper(W)
         # Work on Wᵀ: one column of W is then one contiguous row, and each step of the sweep
         # below is two vector ops (the error, and a rank-1 update of the columns left).
         Wt = W.t().contiguous()
-        keep = torch.ones_like(Wt, dtype=torch.bool)
+        given = keep_mask is not None
+        keep = keep_mask.t().contiguous().clone() if given else torch.ones_like(Wt, dtype=torch.bool)
         cols = Wt.shape[0]
         # An N:M group must not straddle two blocks.
         bs = max(sparsity.m, self.block_size // sparsity.m * sparsity.m) if sparsity.is_nm else self.block_size
@@ -66,7 +69,9 @@ class SparseGPT:
             d = torch.diag(Hinv1)[:, None]
             err_scale = torch.zeros_like(W1)   # 1/[H⁻¹]_jj where a weight is dropped, else 0
             Err1 = torch.empty_like(W1)
-            if not sparsity.is_nm:
+            if given:
+                err_scale = (~keep1) / d
+            elif not sparsity.is_nm:
                 keep1.copy_(sparsity.mask((W1.pow(2) / d.pow(2)).t()).t())
                 err_scale = (~keep1) / d
             # Columns go in small groups (an N:M group, else 16): inside a group each column's
@@ -75,7 +80,7 @@ class SparseGPT:
             step = sparsity.m if sparsity.is_nm else 16
             for g0 in range(0, b1 - b0, step):
                 g1 = min(g0 + step, b1 - b0)
-                if sparsity.is_nm:
+                if sparsity.is_nm and not given:
                     keep1[g0:g1] = sparsity.mask((W1[g0:g1].pow(2) / d[g0:g1].pow(2)).t()).t()
                     err_scale[g0:g1] = (~keep1[g0:g1]) / d[g0:g1]
                 for i in range(g0, g1):
