@@ -180,6 +180,8 @@ def test_uniform_training_holds_one_shape_and_ships_the_model_it_trained():
     ddp = DDP(model, adapter, DDPConfig(retain=0.6, steps=15, batch=2, lr=0.1, warmup=0.0, shape=dict(shape.__dict__)),
               UnitCosts.params(adapter, model.config))
     ddp.start_from(start)
+    with torch.inference_mode():  # an evaluation before training builds the step's projection
+        model(data[:2])
     log = [ddp.step(data[(2 * i) % 8:(2 * i) % 8 + 2]) for i in range(15)]
     assert len({x["retain"] for x in log}) == 1 and log[0]["retain"] <= 0.6
     masks = ddp.decide(shape)

@@ -170,13 +170,17 @@ class DDP:
         """The units `decide(self.shape)` keeps for the current gates, as 0/1 [L, H] and [L, I]
         tensors, cached per step."""
         if self._projection is None or self._projection[0] != self.step_count:
-            masks = self._select(self.shape)
-            keep_h, keep_c = torch.zeros_like(self.gates.head), torch.zeros_like(self.gates.channel)
-            for layer, b in enumerate(masks.blocks):
-                keep_h[layer, b.heads] = 1.0
-                keep_c[layer, b.channels] = 1.0
-            self._projection = (self.step_count, keep_h, keep_c)
+            self._projection = (self.step_count, *self._project())
         return self._projection[1:]
+
+    @torch.inference_mode(False)  # built while evaluating, the cache must still serve a training step
+    def _project(self):
+        masks = self._select(self.shape)
+        keep_h, keep_c = torch.zeros_like(self.gates.head), torch.zeros_like(self.gates.channel)
+        for layer, b in enumerate(masks.blocks):
+            keep_h[layer, b.heads] = 1.0
+            keep_c[layer, b.channels] = 1.0
+        return keep_h.detach(), keep_c.detach()
 
     def remove_hooks(self) -> None:
         for h in self._handles:
