@@ -108,7 +108,7 @@ def _markdown(results: dict) -> str:
     p = results["protocol"]
     lines = [f"# DDP vs one-shot structured baseline ({p['budget']} budget, target {p['target']})", "",
              f"Perplexity on {Path(p['eval']).name} ({p['eval_windows']} windows of 2048); DDP trained "
-             f"{p['steps']} steps × {p['batch']} × 256 tokens of {Path(p['calib']).name}, starting from "
+             f"{p['steps']} steps × {p['batch']} × {p.get('seq_len', 256)} tokens of {Path(p['calib']).name}, starting from "
              f"the {p['ddp_start']} selection; torch threads {p['torch_threads']}. The two DDP rows of a level "
              "are one training exported two ways (unless project_uniform).", "",
              "| retain | method | shape (heads/KV/MLP) | achieved | PPL | excess PPL | DDP excess / baseline | "
