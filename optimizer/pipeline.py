@@ -97,8 +97,10 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError(f"--layout per-layer writes vLLM packages only, not --format {cfg.format}")
     if cfg.ddp_start not in ("baseline", "dense"):
         raise UserError(f"--ddp-start must be baseline or dense, got {cfg.ddp_start!r}")
-    if cfg.ddp_steps < 1 or cfg.ddp_batch < 1:
-        raise UserError("--steps and the DDP batch must be >= 1")
+    if cfg.ddp_steps < 1 or cfg.ddp_batch < 1 or cfg.ddp_seq_len < 1:
+        raise UserError("--steps, the DDP batch and its sequence length must be >= 1")
+    if not (cfg.ddp_lr > 0 and cfg.ddp_beta > 0 and (cfg.ddp_beta_start is None or cfg.ddp_beta_start > 0)):
+        raise UserError("the DDP learning rate and β (and β's start) must be > 0")
     if cfg.seq_len < 16 or cfg.calib_windows < 1 or (cfg.eval_windows is not None and cfg.eval_windows < 1):
         raise UserError("--seq-len must be >= 16 and window counts >= 1")
     if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":

@@ -202,3 +202,13 @@ def test_beta_can_rise_geometrically_over_the_run():
     ddp.step_count = 10
     assert ddp.beta() == pytest.approx(50.0)
     assert DDP(model, adapter, DDPConfig(retain=0.5, beta=15.0), UnitCosts.params(adapter, model.config)).beta() == 15.0
+
+
+@pytest.mark.parametrize("field, value", [("ddp_beta", 0.0), ("ddp_beta_start", -1.0), ("ddp_lr", 0.0),
+                                          ("ddp_seq_len", 0)])
+def test_bad_ddp_settings_are_one_line_errors(field, value):
+    """β divides the budget term and λ's step: 0 must fail at the edge, not as a ZeroDivisionError."""
+    from optimizer.errors import UserError
+    from optimizer.pipeline import OptimizeConfig, validate
+    with pytest.raises(UserError, match="DDP"):
+        validate(OptimizeConfig(target="a100", **{field: value}))
