@@ -47,24 +47,23 @@ def main() -> None:
     state = torch.load(args.checkpoint, weights_only=False, mmap=True)
     if state["sparsity"] != str(sparsity):
         raise SystemExit(f"{args.checkpoint} holds a {state['sparsity']} run, not {sparsity}")
-    masks = {id(lin): sparsity.mask(phi[name].float())
-             for block, phi in zip(adapter.blocks(model), state["phi"]) for name, lin in adapter.linears(block).items()}
+    blocks = [adapter.linears(b) for b in adapter.blocks(model)]
+    masks = {id(lin): sparsity.mask(phi[name].float()) for lins, phi in zip(blocks, state["phi"])
+             for name, lin in lins.items()}
     del state
+    linears = [lin for lins in blocks for lin in lins.values()]
     text = lambda name: data.read_text_file(Path(args.data) / name).text  # noqa: E731
     calib = data.token_windows(tok, text("wikitext2-valid.txt"), 2048, args.calib_windows)
     test = data.token_windows(tok, text("wikitext2-raw-test.txt"), 2048, args.eval_windows)
 
-    original = {k: lin.weight.detach().clone() for k, lin in
-                ((id(lin), lin) for b in adapter.blocks(model) for lin in adapter.linears(b).values())}
+    original = [lin.weight.detach().clone() for lin in linears]
     with torch.no_grad():
-        for b in adapter.blocks(model):
-            for lin in adapter.linears(b).values():
-                lin.weight.mul_(masks[id(lin)])
+        for lin in linears:
+            lin.weight.mul_(masks[id(lin)])
     masked = evaluate.perplexity(model, test, "RoI mask, original weights")
     with torch.no_grad():
-        for b in adapter.blocks(model):
-            for lin in adapter.linears(b).values():
-                lin.weight.copy_(original[id(lin)])
+        for lin, w in zip(linears, original):
+            lin.weight.copy_(w)
     del original
 
     class Imposed(SparseGPT):

@@ -189,7 +189,8 @@ def _finish_peer(pkg: Path, proc, evalw) -> dict:
         del cfg.quantization_config
     model = AutoModelForCausalLM.from_pretrained(pkg, config=cfg, dtype=torch.float32).eval()
     return {"method": peer["tool"], "sparsity": "2:4", "ppl": evaluate.perplexity(model, evalw, "peer perplexity"),
-            "wall_s": peer["oneshot_wall_s"], "threads": peer["threads"], "recipe": peer.get("recipe")}
+            "wall_s": peer["oneshot_wall_s"], "threads": peer["threads"], "recipe": peer.get("recipe"),
+            "lm_head_zero_fraction": peer.get("lm_head_zero_fraction")}
 
 
 def _save(results: dict, path: Path, mine: set | None = None) -> None:

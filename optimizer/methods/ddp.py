@@ -180,7 +180,7 @@ class DDP:
         for layer, b in enumerate(masks.blocks):
             keep_h[layer, b.heads] = 1.0
             keep_c[layer, b.channels] = 1.0
-        return keep_h.detach(), keep_c.detach()
+        return keep_h, keep_c
 
     def remove_hooks(self) -> None:
         for h in self._handles:

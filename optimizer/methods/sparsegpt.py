@@ -69,10 +69,9 @@ class SparseGPT:
             d = torch.diag(Hinv1)[:, None]
             err_scale = torch.zeros_like(W1)   # 1/[H⁻¹]_jj where a weight is dropped, else 0
             Err1 = torch.empty_like(W1)
-            if given:
-                err_scale = (~keep1) / d
-            elif not sparsity.is_nm:
+            if not sparsity.is_nm and not given:
                 keep1.copy_(sparsity.mask((W1.pow(2) / d.pow(2)).t()).t())
+            if given or not sparsity.is_nm:  # the whole block's mask is known now
                 err_scale = (~keep1) / d
             # Columns go in small groups (an N:M group, else 16): inside a group each column's
             # error reaches the group's later columns at once (column i itself becomes w·keep);
