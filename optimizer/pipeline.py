@@ -365,9 +365,8 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
         ddp.start_from(start_masks)
     seq = cfg.ddp_seq_len if cfg.seq_len % cfg.ddp_seq_len == 0 else cfg.seq_len
     chunks = train.reshape(-1, seq)
-    key = hashlib.sha256(json.dumps([str(source.hf_dir), calib_text.description, cfg.seq_len, cfg.budget,
-                                     list(costs), vars(ddp_cfg), start], default=str).encode()).hexdigest()[:16]
-    ckpt = load.cache_dir() / "runs" / f"ddp-{key}.pt"
+    ckpt = _ddp_checkpoint([str(source.hf_dir), calib_text.description, cfg.seq_len, seq, cfg.budget,
+                            list(costs), vars(ddp_cfg), start])
     resumed = cfg.resume and ddp.load(ckpt)
     if cfg.resume and not resumed:
         cfg.log(f"--resume: no checkpoint of this exact run at {ckpt}; starting from step 0")
@@ -391,6 +390,13 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
                       "peak_rss_gib": round(peak_rss_gib(), 2), "checkpoint": str(ckpt),
                       "positive_gates": _positive_gates(ddp)}}
     return ddp, detail
+
+
+def _ddp_checkpoint(run: list) -> Path:
+    """One checkpoint per exact run: everything that changes what the gates learn is in `run`
+    (the training sequence length too — runs at two lengths once shared a file)."""
+    key = hashlib.sha256(json.dumps(run, default=str).encode()).hexdigest()[:16]
+    return load.cache_dir() / "runs" / f"ddp-{key}.pt"
 
 
 def _positive_gates(ddp) -> dict:

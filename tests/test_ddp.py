@@ -212,3 +212,20 @@ def test_bad_ddp_settings_are_one_line_errors(field, value):
     from optimizer.pipeline import OptimizeConfig, validate
     with pytest.raises(UserError, match="DDP"):
         validate(OptimizeConfig(target="a100", **{field: value}))
+
+
+def test_a_run_at_another_training_length_gets_its_own_checkpoint(tiny_dirs, text_file, tmp_path, monkeypatch):
+    """The checkpoint key covers everything that changes what the gates learn. Without the
+    training sequence length, runs at two lengths once wrote (and resumed) one file."""
+    from optimizer.pipeline import OptimizeConfig, optimize
+    monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
+    ckpts = []
+    for seq in (32, 64):
+        res = optimize(OptimizeConfig(model=str(tiny_dirs["llama"]), target="a100", method="ddp", retain=0.6,
+                                      calib=str(text_file), eval=str(text_file), out=str(tmp_path / f"p{seq}"),
+                                      calib_windows=2, eval_windows=1, seq_len=64, ddp_steps=2, ddp_batch=1,
+                                      ddp_seq_len=seq, log=lambda *_: None))
+        ddp = res["manifest"]["method"]["ddp"]
+        assert ddp["seq_len"] == seq and ddp["resumed_from_step"] == 0
+        ckpts.append(ddp["checkpoint"])
+    assert ckpts[0] != ckpts[1]
