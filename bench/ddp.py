@@ -11,8 +11,9 @@ Levels run as separate processes (one per core) write separate files
 Same data protocol as bench/spine.py: calibration (and DDP training text) from WikiText-2
 validation, perplexity on WikiText-2 raw test in 2048-token windows (--eval-windows). For each
 retention: the baseline (--method activation), DDP exported per layer (its natural result), and
-the same trained gates exported uniformly (the checkpoint is reused: one training per level;
---project-uniform trains the uniform layout's own gates, projected onto the baseline's shape);
+DDP exported uniformly (its own training where its settings differ, as the defaults do by
+layout; otherwise the per-layer run's checkpoint is reused; --project-uniform trains the
+uniform layout's gates projected onto the baseline's shape);
 their perplexities, DDP's training tokens, wall time and peak memory. Writes
 bench/results/ddp/ddp-{budget}-r*.json and ddp-{budget}.md;
 serve them with `bench PACKAGE --baseline embedded` for the speed ratios.
@@ -42,10 +43,10 @@ def main() -> None:
     ap.add_argument("--budget", default="params", choices=["params", "latency"])
     ap.add_argument("--target", default="a100")
     ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--batch", type=int, default=2, help="DDP sequences (of --seq-len tokens) per step")
-    ap.add_argument("--seq-len", type=int, default=256, help="DDP training sequence length (divides 2048)")
+    ap.add_argument("--batch", type=int, default=None, help="DDP sequences (of --seq-len tokens) per step (default: by layout)")
+    ap.add_argument("--seq-len", type=int, default=None, help="DDP training sequence length, divides 2048 (default: by layout)")
     ap.add_argument("--lr", type=float, default=0.05, help="DDP gate learning rate (Adam)")
-    ap.add_argument("--beta", type=float, default=50.0, help="DDP augmented-Lagrangian penalty")
+    ap.add_argument("--beta", type=float, default=None, help="DDP augmented-Lagrangian penalty (default: by layout)")
     ap.add_argument("--beta-start", type=float, default=None, help="β rises geometrically from this to --beta")
     ap.add_argument("--ddp-start", default="baseline", choices=["baseline", "dense"])
     ap.add_argument("--eval-windows", default="all")
@@ -108,12 +109,12 @@ def _markdown(results: dict) -> str:
     p = results["protocol"]
     lines = [f"# DDP vs one-shot structured baseline ({p['budget']} budget, target {p['target']})", "",
              f"Perplexity on {Path(p['eval']).name} ({p['eval_windows']} windows of 2048); DDP trained "
-             f"{p['steps']} steps × {p['batch']} × {p.get('seq_len', 256)} tokens of {Path(p['calib']).name}, starting from "
-             f"the {p['ddp_start']} selection; torch threads {p['torch_threads']}. The two DDP rows of a level "
-             "are one training exported two ways (unless project_uniform).", "",
-             "| retain | method | shape (heads/KV/MLP) | achieved | PPL | excess PPL | DDP excess / baseline | "
+             f"{p['steps']} steps on {Path(p['calib']).name} (sequences × tokens per step and β per row), starting from "
+             f"the {p['ddp_start']} selection; torch threads {p['torch_threads']}. Each DDP row is its own "
+             "training unless its train wall says \"same gates\" (the per-layer run's gates exported uniformly).", "",
+             "| retain | method | β, batch × seq | shape (heads/KV/MLP) | achieved | PPL | excess PPL | DDP excess / baseline | "
              "train tokens | train wall | peak RSS |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for retain, level in sorted(results["levels"].items(), reverse=True):
         base = level.get("activation")
         for method, r in level.items():
@@ -122,7 +123,8 @@ def _markdown(results: dict) -> str:
             tokens = t.get("steps", 0) * t.get("batch", 0) * t.get("seq_len", 0)
             wall = ("same gates" if t and t.get("resumed_from_step") == t.get("steps")
                     else f"{t['wall_s']} s" if t else "—")
-            lines.append(f"| {retain} | {method} | {s['num_heads']:g}/{s['num_kv_heads']:g}/{s['intermediate_size']:g} | "
+            beta = f"{t['beta']:g}, {t['batch']} × {t['seq_len']}" if t else "—"
+            lines.append(f"| {retain} | {method} | {beta} | {s['num_heads']:g}/{s['num_kv_heads']:g}/{s['intermediate_size']:g} | "
                          f"{r['retain_achieved']:.3f} | {r['ppl']:.2f} | {r['excess_ppl']:.2f} | {ratio} | "
                          f"{tokens or '—'} | {wall} | {str(t['peak_rss_gib']) + ' GiB' if t else '—'} |")
     return "\n".join(lines) + "\n"

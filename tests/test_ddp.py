@@ -229,3 +229,12 @@ def test_a_run_at_another_training_length_gets_its_own_checkpoint(tiny_dirs, tex
         assert ddp["seq_len"] == seq and ddp["resumed_from_step"] == 0
         ckpts.append(ddp["checkpoint"])
     assert ckpts[0] != ckpts[1]
+
+
+def test_ddp_settings_follow_the_layout_unless_given():
+    from optimizer.pipeline import DDP_DEFAULTS, OptimizeConfig, ddp_setting
+    for layout in ("per-layer", "uniform"):
+        for name, value in DDP_DEFAULTS[layout].items():
+            assert ddp_setting(OptimizeConfig(layout=layout), name) == value
+    assert DDP_DEFAULTS["per-layer"] != DDP_DEFAULTS["uniform"]
+    assert ddp_setting(OptimizeConfig(layout="uniform", ddp_beta=10.0), "ddp_beta") == 10.0
