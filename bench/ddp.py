@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--retain", type=float, nargs="+", default=[0.8, 0.7, 0.5])
     ap.add_argument("--budget", default="params", choices=["params", "latency"])
     ap.add_argument("--target", default="a100")
-    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--steps", type=int, default=80, help="DDP gate-training steps")
     ap.add_argument("--batch", type=int, default=None, help="DDP sequences (of --seq-len tokens) per step (default: by layout)")
     ap.add_argument("--seq-len", type=int, default=None, help="DDP training sequence length, divides 2048 (default: by layout)")
     ap.add_argument("--lr", type=float, default=0.05, help="DDP gate learning rate (Adam)")
@@ -51,8 +51,12 @@ def main() -> None:
     ap.add_argument("--ddp-start", default="baseline", choices=["baseline", "dense"])
     ap.add_argument("--eval-windows", default="all")
     ap.add_argument("--calib-windows", type=int, default=8, help="windows of 2048 for the importance and DDP training")
+    ap.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="calibration and DDP KD passes (auto: bf16 where the CPU has it natively)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue (or reuse, if finished) a training of the same settings from its checkpoint")
     ap.add_argument("--project-uniform", action="store_true", help="train the uniform layout's own gates, projected onto the baseline's shape")
     ap.add_argument("--layouts", nargs="+", default=["per-layer", "uniform"], choices=["per-layer", "uniform"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ddp"))
@@ -65,6 +69,7 @@ def main() -> None:
     protocol = {"target": args.target, "budget": args.budget, "steps": args.steps, "batch": args.batch,
                 "seq_len": args.seq_len, "lr": args.lr,
                 "beta": args.beta, "beta_start": args.beta_start, "project_uniform": args.project_uniform, "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
+                "calib_dtype": args.calib_dtype,
                 "eval": str(data / "wikitext2-raw-test.txt"), "eval_windows": args.eval_windows,
                 "torch_threads": args.threads, "command": " ".join(sys.argv)}
     runs = [("activation", "uniform")] if not args.skip_baseline else []
@@ -85,9 +90,9 @@ def main() -> None:
                 out=str(pkg), calib_windows=args.calib_windows, ddp_steps=args.steps, ddp_batch=args.batch, seq_len=2048,
                 ddp_seq_len=args.seq_len, ddp_lr=args.lr,
                 threads=args.threads, ddp_start=args.ddp_start, ddp_beta=args.beta, ddp_beta_start=args.beta_start,
-                ddp_project_uniform=args.project_uniform,
+                ddp_project_uniform=args.project_uniform, calib_dtype=args.calib_dtype,
                 # the uniform export reuses the per-layer run's gates, unless it trains its own
-                resume=layout == "uniform" and not args.project_uniform,
+                resume=args.resume or (layout == "uniform" and not args.project_uniform),
                 eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)))["manifest"]
             q = m["quality"]["perplexity"]
             level["runs"][name] = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),
@@ -109,10 +114,10 @@ def _markdown(results: dict) -> str:
     p = results["protocol"]
     lines = [f"# DDP vs one-shot structured baseline ({p['budget']} budget, target {p['target']})", "",
              f"Perplexity on {Path(p['eval']).name} ({p['eval_windows']} windows of 2048); DDP trained "
-             f"{p['steps']} steps on {Path(p['calib']).name} (sequences × tokens per step and β per row), starting from "
+             f"on {Path(p['calib']).name} (β, steps × sequences × tokens per step per row), starting from "
              f"the {p['ddp_start']} selection; torch threads {p['torch_threads']}. Each DDP row is its own "
              "training unless its train wall says \"same gates\" (the per-layer run's gates exported uniformly).", "",
-             "| retain | method | β, batch × seq | shape (heads/KV/MLP) | achieved | PPL | excess PPL | DDP excess / baseline | "
+             "| retain | method | β, steps × batch × seq (KD passes if not bf16) | shape (heads/KV/MLP) | achieved | PPL | excess PPL | DDP excess / baseline | "
              "train tokens | train wall | peak RSS |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for retain, level in sorted(results["levels"].items(), reverse=True):
@@ -123,7 +128,8 @@ def _markdown(results: dict) -> str:
             tokens = t.get("steps", 0) * t.get("batch", 0) * t.get("seq_len", 0)
             wall = ("same gates" if t and t.get("resumed_from_step") == t.get("steps")
                     else f"{t['wall_s']} s" if t else "—")
-            beta = f"{t['beta']:g}, {t['batch']} × {t['seq_len']}" if t else "—"
+            beta = (f"{t['beta']:g}, {t['steps']} × {t['batch']} × {t['seq_len']}" + (f", {t['dtype']}" if t.get("dtype", "bfloat16") != "bfloat16" else "")
+                    if t else "—")
             lines.append(f"| {retain} | {method} | {beta} | {s['num_heads']:g}/{s['num_kv_heads']:g}/{s['intermediate_size']:g} | "
                          f"{r['retain_achieved']:.3f} | {r['ppl']:.2f} | {r['excess_ppl']:.2f} | {ratio} | "
                          f"{tokens or '—'} | {wall} | {str(t['peak_rss_gib']) + ' GiB' if t else '—'} |")

@@ -1,0 +1,113 @@
+"""Where DDP's uniform export loses against its per-layer one (issue 3).
+
+    .venv/bin/python bench/ddp_uniform_gap.py bench/results/ddp/ddp-params-r0.80.json --eval-windows 16
+
+Takes the per-layer run recorded in a `bench/ddp.py` result file (its gates checkpoint; rerun
+that command first on a fresh machine, training is deterministic), builds the per-layer masks the
+package was cut from (`DDP.budget_masks`), and caps the MLP width of some layers at the uniform
+layout's width, keeping each capped layer's best channels by gate value:
+
+    per-layer       the package as exported (must reproduce its perplexity)
+    first-capped    only layer 0 capped
+    rest-capped     every layer but layer 0 capped
+    all-capped      every layer capped (the uniform export's MLP; heads stay per layer)
+
+Perplexity of the masked model (equal to the physically pruned one: tests/test_ddp.py), same
+WikiText-2 test windows as bench/ddp.py. Writes uniform-gap-r{retain}.json and .md beside the
+result file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from optimizer import data, evaluate, load  # noqa: E402
+from optimizer.adapters import get_adapter  # noqa: E402
+from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts  # noqa: E402
+from optimizer.surgery import BlockMask, Masks, masked  # noqa: E402
+
+
+def capped(masks: Masks, z_channels: torch.Tensor, width: int, layers) -> Masks:
+    """`masks` with the MLP of `layers` cut to its `width` best channels by gate logit."""
+    blocks = []
+    for layer, b in enumerate(masks.blocks):
+        if layer in layers and len(b.channels) > width:
+            z = z_channels[layer]
+            keep = sorted(sorted(b.channels, key=lambda i: -float(z[i]))[:width])
+            b = BlockMask(b.heads, b.kv_heads, keep, b.head_scale, [float(torch.relu(z[i])) for i in keep])
+        blocks.append(b)
+    return Masks(blocks)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("result", help="a bench/ddp.py level file, e.g. bench/results/ddp/ddp-params-r0.80.json")
+    ap.add_argument("--eval-windows", type=int, default=16)
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    result = Path(args.result)
+    runs = json.loads(result.read_text())["runs"]
+    run = runs["ddp-per-layer"]
+    training = run["training"]
+    if run.get("training") is None or not Path(training["checkpoint"]).is_file():
+        sys.exit(f"error: the per-layer run's gates are not on this machine ({training and training['checkpoint']}); "
+                 f"rerun its command first: {run['command']}")
+    uniform = next(runs[k]["shape"] for k in ("ddp-uniform", "activation") if k in runs)
+    width = int(uniform["intermediate_size"])
+
+    model, tok = load.load_model(load.resolve(None))
+    adapter = get_adapter(model.config)
+    state = torch.load(training["checkpoint"], weights_only=False)
+    ddp = DDP(model, adapter, DDPConfig(**state["config"]), UnitCosts.params(adapter, model.config))
+    ddp.gates.load_state_dict(state["gates"])
+    ddp.remove_hooks()
+    per_layer = ddp.budget_masks()
+    z = ddp.gates.channel.detach()
+    n = len(per_layer.blocks)
+    variants = {"per-layer": per_layer,
+                "first-capped": capped(per_layer, z, width, {0}),
+                "rest-capped": capped(per_layer, z, width, set(range(1, n))),
+                "all-capped": capped(per_layer, z, width, set(range(n)))}
+    text = data.read_text_file(Path(args.data) / "wikitext2-raw-test.txt").text
+    windows = data.token_windows(tok, text, 2048, args.eval_windows)
+    rows = {}
+    for name, masks in variants.items():
+        with torch.inference_mode(), masked(model, adapter, masks):
+            ppl = evaluate.perplexity(model, windows, name)
+        rows[name] = {"ppl": ppl, "channels": [len(b.channels) for b in masks.blocks],
+                      "heads": [len(b.heads) for b in masks.blocks]}
+        print(f"{name}: {ppl:.2f}", flush=True)
+
+    retain = training["retain"]
+    out = {"result": str(result), "checkpoint": training["checkpoint"], "retain": retain, "uniform_width": width,
+           "package_ppl": run["ppl"], "eval_windows": args.eval_windows, "variants": rows,
+           "command": " ".join(sys.argv)}
+    stem = result.parent / f"uniform-gap-r{retain:.2f}"
+    Path(f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
+    Path(f"{stem}.md").write_text(markdown(out))
+    print(markdown(out))
+
+
+def markdown(out: dict) -> str:
+    lines = [f"# Per-layer DDP gates at retention {out['retain']}, MLP capped at the uniform width {out['uniform_width']}", "",
+             f"PPL on {out['eval_windows']} × 2048 WikiText-2 test tokens; the per-layer package measured "
+             f"{out['package_ppl']:.2f}. `{out['command']}`", "",
+             "| variant | layer 0 channels | other layers' channels (mean) | PPL |", "|---|---:|---:|---:|"]
+    for variant, r in out["variants"].items():
+        rest = r["channels"][1:]
+        lines.append(f"| {variant} | {r['channels'][0]} | {sum(rest) / len(rest):.1f} | {r['ppl']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+if __name__ == "__main__":
+    main()
