@@ -59,8 +59,8 @@ def main() -> None:
     result = Path(args.result)
     runs = json.loads(result.read_text())["runs"]
     run = runs["ddp-per-layer"]
-    training = run["training"]
-    if run.get("training") is None or not Path(training["checkpoint"]).is_file():
+    training = run.get("training")
+    if training is None or not Path(training["checkpoint"]).is_file():
         sys.exit(f"error: the per-layer run's gates are not on this machine ({training and training['checkpoint']}); "
                  f"rerun its command first: {run['command']}")
     uniform = next(runs[k]["shape"] for k in ("ddp-uniform", "activation") if k in runs)
