@@ -57,13 +57,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     result = Path(args.result)
-    runs = json.loads(result.read_text())["runs"]
-    run = runs["ddp-per-layer"]
+    level = json.loads(result.read_text())
+    runs = level["runs"]
+    run = runs.get("ddp-per-layer", {})
     training = run.get("training")
     if training is None or not Path(training["checkpoint"]).is_file():
         sys.exit(f"error: the per-layer run's gates are not on this machine ({training and training['checkpoint']}); "
-                 f"rerun its command first: {run['command']}")
-    uniform = next(runs[k]["shape"] for k in ("ddp-uniform", "activation") if k in runs)
+                 f"rerun its command first: {run.get('command', 'bench/ddp.py --layouts per-layer ...')}")
+    if level["protocol"]["budget"] != "params":
+        sys.exit("error: only params-budget runs (ddp-params-r*.json): the per-layer masks are rebuilt with parameter costs")
+    uniform = next((runs[k]["shape"] for k in ("ddp-uniform", "activation") if k in runs), None)
+    if uniform is None:
+        sys.exit(f"error: {result} has no uniform row (ddp-uniform or activation) to take the uniform width from")
     width = int(uniform["intermediate_size"])
 
     model, tok = load.load_model(load.resolve(None))
@@ -108,6 +113,7 @@ def markdown(out: dict) -> str:
         rest = r["channels"][1:]
         lines.append(f"| {variant} | {r['channels'][0]} | {sum(rest) / len(rest):.1f} | {r['ppl']:.2f} |")
     return "\n".join(lines) + "\n"
+
 
 if __name__ == "__main__":
     main()
