@@ -57,8 +57,6 @@ def main() -> None:
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--resume", action="store_true",
                     help="continue (or reuse, if finished) a training of the same settings from its checkpoint")
-    ap.add_argument("--exact-finish", type=float, default=None,
-                    help="per-layer: fraction of the last steps trained on the exact exported selection (default: by layout)")
     ap.add_argument("--project-uniform", action="store_true", help="train the uniform layout's own gates, projected onto the baseline's shape")
     ap.add_argument("--layouts", nargs="+", default=["per-layer", "uniform"], choices=["per-layer", "uniform"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ddp"))
@@ -70,7 +68,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     protocol = {"target": args.target, "budget": args.budget, "steps": args.steps, "batch": args.batch,
                 "seq_len": args.seq_len, "lr": args.lr,
-                "beta": args.beta, "beta_start": args.beta_start, "project_uniform": args.project_uniform, "exact_finish": args.exact_finish, "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
+                "beta": args.beta, "beta_start": args.beta_start, "project_uniform": args.project_uniform, "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
                 "calib_dtype": args.calib_dtype,
                 "eval": str(data / "wikitext2-raw-test.txt"), "eval_windows": args.eval_windows,
                 "torch_threads": args.threads, "command": " ".join(sys.argv)}
@@ -92,7 +90,7 @@ def main() -> None:
                 out=str(pkg), calib_windows=args.calib_windows, ddp_steps=args.steps, ddp_batch=args.batch, seq_len=2048,
                 ddp_seq_len=args.seq_len, ddp_lr=args.lr,
                 threads=args.threads, ddp_start=args.ddp_start, ddp_beta=args.beta, ddp_beta_start=args.beta_start,
-                ddp_project_uniform=args.project_uniform, ddp_exact_finish=args.exact_finish, calib_dtype=args.calib_dtype,
+                ddp_project_uniform=args.project_uniform, calib_dtype=args.calib_dtype,
                 # the uniform export reuses the per-layer run's gates, unless it trains its own
                 resume=args.resume or (layout == "uniform" and not args.project_uniform),
                 eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)))["manifest"]
@@ -131,7 +129,7 @@ def _markdown(results: dict) -> str:
             wall = ("same gates" if t and t.get("resumed_from_step") == t.get("steps")
                     else f"{t['wall_s']} s" if t else "—")
             beta = (f"{t['beta']:g}, {t['steps']} × {t['batch']} × {t['seq_len']}" + (f", {t['dtype']}" if t.get("dtype", "bfloat16") != "bfloat16" else "")
-                    + (f", exact last {t['exact_finish']:g}" if t.get("exact_finish") else "") if t else "—")
+                    if t else "—")
             lines.append(f"| {retain} | {method} | {beta} | {s['num_heads']:g}/{s['num_kv_heads']:g}/{s['intermediate_size']:g} | "
                          f"{r['retain_achieved']:.3f} | {r['ppl']:.2f} | {r['excess_ppl']:.2f} | {ratio} | "
                          f"{tokens or '—'} | {wall} | {str(t['peak_rss_gib']) + ' GiB' if t else '—'} |")

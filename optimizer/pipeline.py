@@ -72,7 +72,6 @@ class OptimizeConfig:
     ddp_beta: float | None = None      # augmented-Lagrangian penalty (DDPConfig.beta); None: by layout
     ddp_beta_start: float | None = None
     ddp_project_uniform: bool = False  # uniform layout: train the gates projected onto the baseline's shape
-    ddp_exact_finish: float | None = None  # per-layer: fraction of the last steps trained on the exact export; None: default
     resume: bool = False
     checkpoint_every: int = 25
     sparsity: str = "2:4"             # semi-structured methods: N:M, or an unstructured fraction
@@ -102,8 +101,6 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError("--steps, the DDP batch and its sequence length must be >= 1")
     if not (cfg.ddp_lr > 0 and (cfg.ddp_beta is None or cfg.ddp_beta > 0) and (cfg.ddp_beta_start is None or cfg.ddp_beta_start > 0)):
         raise UserError("the DDP learning rate and β (and β's start) must be > 0")
-    if cfg.ddp_exact_finish is not None and not 0 <= cfg.ddp_exact_finish < 1:
-        raise UserError(f"the DDP exact finish is a fraction of the steps in [0, 1), got {cfg.ddp_exact_finish}")
     if cfg.seq_len < 16 or cfg.calib_windows < 1 or (cfg.eval_windows is not None and cfg.eval_windows < 1):
         raise UserError("--seq-len must be >= 16 and window counts >= 1")
     if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":
@@ -352,8 +349,8 @@ def _choose_uniform(cfg, model, adapter, method, held_out: torch.Tensor, costs, 
 # export cuts every layer to one shape, which costs more the further training has moved units
 # between layers: at 0.5 it gave 104.04 with these settings, 146.06 and 199.11 with 1024-token
 # training at β = 25 and 50. bench/results/ddp-probes/README.md has the runs.
-DDP_DEFAULTS = {"per-layer": {"ddp_seq_len": 1024, "ddp_batch": 1, "ddp_beta": 25.0, "ddp_exact_finish": 0.0},
-                "uniform": {"ddp_seq_len": 256, "ddp_batch": 2, "ddp_beta": 50.0, "ddp_exact_finish": 0.0}}
+DDP_DEFAULTS = {"per-layer": {"ddp_seq_len": 1024, "ddp_batch": 1, "ddp_beta": 25.0},
+                "uniform": {"ddp_seq_len": 256, "ddp_batch": 2, "ddp_beta": 50.0}}
 
 
 def ddp_setting(cfg, name: str):
@@ -378,20 +375,15 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
     ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=ddp_setting(cfg, "ddp_batch"), seed=cfg.seed,
                         lr=cfg.ddp_lr, beta=ddp_setting(cfg, "ddp_beta"), beta_start=cfg.ddp_beta_start, warmup=0.0 if baseline_start else 0.5,
                         dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."),
-                        shape=dict(start["shape"]) if projected else None,
-                        # the uniform layout's export is not `budget_masks`: nothing exact to train on
-                        exact_finish=ddp_setting(cfg, "ddp_exact_finish") if cfg.layout == "per-layer" else 0.0)
+                        shape=dict(start["shape"]) if projected else None)
     ddp = DDP(model, adapter, ddp_cfg, UnitCosts(*costs))
     if baseline_start:
         ddp.start_from(start_masks)
     seq = ddp_setting(cfg, "ddp_seq_len")
     seq = seq if cfg.seq_len % seq == 0 else cfg.seq_len
     chunks = train.reshape(-1, seq)
-    settings = dict(vars(ddp_cfg))
-    if not settings["exact_finish"]:
-        del settings["exact_finish"]  # added later: runs without it keep their checkpoints
     ckpt = _ddp_checkpoint([str(source.hf_dir), calib_text.description, cfg.seq_len, seq, cfg.budget,
-                            list(costs), settings, start])
+                            list(costs), vars(ddp_cfg), start])
     resumed = cfg.resume and ddp.load(ckpt)
     if cfg.resume and not resumed:
         cfg.log(f"--resume: no checkpoint of this exact run at {ckpt}; starting from step 0")

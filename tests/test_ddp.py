@@ -194,41 +194,6 @@ def test_uniform_training_holds_one_shape_and_ships_the_model_it_trained():
     torch.testing.assert_close(got, gated, atol=1e-5, rtol=1e-5)
 
 
-def test_exact_finish_trains_the_per_layer_selection_that_ships():
-    """--exact-finish: in the last steps the forward is `budget_masks()` of the current gates,
-    so the model that trains last is the exported one (budget met exactly, same logits)."""
-    model = tiny_model("llama")
-    adapter = get_adapter(model.config)
-    data = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
-    ddp = DDP(model, adapter, DDPConfig(retain=0.5, steps=20, batch=2, lr=0.1, warmup=0.0, exact_finish=0.25),
-              UnitCosts.params(adapter, model.config))
-    ddp.start_from(_baseline_masks(model, adapter, data, 0.5))
-    log = [ddp.step(data[(2 * i) % 8:(2 * i) % 8 + 2]) for i in range(20)]
-    assert [x["mu"] == 0.0 for x in log] == [False] * 15 + [True] * 5  # the last quarter is projected
-    assert all(x["retain"] <= 0.5 for x in log[15:])  # the exact selection is within the budget
-    masks = ddp.budget_masks()
-    with torch.inference_mode():
-        gated = model(data[:2]).logits  # this step's forward: the projection of the final gates
-    ddp.remove_hooks()
-    with torch.inference_mode():
-        got = prune_per_layer(model, adapter, masks)(data[:2]).logits
-    torch.testing.assert_close(got, gated, atol=1e-5, rtol=1e-5)
-
-
-def test_a_checkpoint_from_before_a_new_setting_still_resumes(tmp_path):
-    """A DDPConfig field added later held its default in older checkpoints."""
-    model = tiny_model("llama")
-    adapter = get_adapter(model.config)
-    cfg = DDPConfig(retain=0.5, steps=4, batch=2, warmup=0.0)
-    ddp = DDP(model, adapter, cfg, UnitCosts.params(adapter, model.config))
-    state = ddp.state()
-    del state["config"]["exact_finish"]
-    torch.save(state, tmp_path / "old.pt")
-    assert DDP(model, adapter, cfg, UnitCosts.params(adapter, model.config)).load(tmp_path / "old.pt")
-    finishing = DDPConfig(retain=0.5, steps=4, batch=2, warmup=0.0, exact_finish=0.5)
-    assert not DDP(model, adapter, finishing, UnitCosts.params(adapter, model.config)).load(tmp_path / "old.pt")
-
-
 def test_beta_can_rise_geometrically_over_the_run():
     model = tiny_model("llama")
     adapter = get_adapter(model.config)
@@ -240,7 +205,7 @@ def test_beta_can_rise_geometrically_over_the_run():
 
 
 @pytest.mark.parametrize("field, value", [("ddp_beta", 0.0), ("ddp_beta_start", -1.0), ("ddp_lr", 0.0),
-                                          ("ddp_seq_len", 0), ("ddp_exact_finish", 1.0)])
+                                          ("ddp_seq_len", 0)])
 def test_bad_ddp_settings_are_one_line_errors(field, value):
     """β divides the budget term and λ's step: 0 must fail at the edge, not as a ZeroDivisionError."""
     from optimizer.errors import UserError

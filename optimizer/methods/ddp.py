@@ -29,7 +29,7 @@ shape, or `budget_masks()` for per-layer shapes meeting the budget exactly.
 from __future__ import annotations
 
 import os
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -66,8 +66,6 @@ class DDPConfig:
     dtype: str = "float32"     # "bfloat16": the KD passes under bf16 autocast (gates and KL stay fp32)
     shape: dict | None = None  # uniform layout: every step projects the gates onto this block shape
                                # (the best units per layer by z), so no budget term is needed
-    exact_finish: float = 0.0  # per-layer layout: this fraction of the last steps trains the exact
-                               # selection that will ship (`budget_masks`), by KD alone
     seed: int = 0
 
 
@@ -158,9 +156,9 @@ class DDP:
             if not self.gates.enabled:
                 return None
             z = (self.gates.head if kind == "head" else self.gates.channel)[layer]
-            if not self._projecting():
+            if self.shape is None:
                 g = relu_ste(z)
-            else:  # forward: the model that will ship; backward: as relu_ste
+            else:  # forward: the uniform model being trained; backward: as relu_ste
                 keep = self._projected()[0 if kind == "head" else 1][layer]
                 g = z + (z.clamp_min(0) * keep - z).detach()
             if kind == "head":
@@ -168,29 +166,16 @@ class DDP:
             return (args[0] * g.to(args[0].dtype),) + tuple(args[1:])
         return hook
 
-    def _projecting(self) -> bool:
-        """Whether this step's forward is a projection of the gates: onto one shape throughout
-        (uniform layout), or onto the exact per-layer export in the last steps (`exact_finish`).
-
-        Why the finish: the augmented Lagrangian holds the expected retention only to within
-        a swing around the target (λ lags the constraint), and `budget_masks` then cuts or
-        fills to the exact budget by gate value, a change the kept scales never trained
-        for. In the last steps the forward is that cut, so the scales learn to cover it."""
-        if self.shape is not None:
-            return True
-        finish = self.cfg.exact_finish
-        return finish > 0 and self.step_count >= round((1 - finish) * self.cfg.steps)
-
     def _projected(self):
-        """The units kept by `decide(self.shape)`, or by `budget_masks()` when there is no
-        shape, for the current gates, as 0/1 [L, H] and [L, I] tensors, cached per step."""
+        """The units `decide(self.shape)` keeps for the current gates, as 0/1 [L, H] and [L, I]
+        tensors, cached per step."""
         if self._projection is None or self._projection[0] != self.step_count:
             self._projection = (self.step_count, *self._project())
         return self._projection[1:]
 
     @torch.inference_mode(False)  # built while evaluating, the cache must still serve a training step
     def _project(self):
-        masks = self._select(self.shape) if self.shape is not None else self.budget_masks()
+        masks = self._select(self.shape)
         keep_h, keep_c = torch.zeros_like(self.gates.head), torch.zeros_like(self.gates.channel)
         for layer, b in enumerate(masks.blocks):
             keep_h[layer, b.heads] = 1.0
@@ -235,7 +220,7 @@ class DDP:
     def step(self, input_ids: torch.Tensor) -> dict:
         mu = self.mu()
         kd = kd_loss(self.model, self.gates, input_ids, self.cfg.dtype)
-        if self._projecting():
+        if self.shape is not None:
             return self._descend_projected(kd)
         s_head, _, s_chan = self.gates.scores(mu)
         return self.descend(kd, torch.cat([s_head.flatten(), s_chan.flatten()]), mu)
@@ -264,21 +249,16 @@ class DDP:
         return {"kd": kd.item(), "retain": c.item() + target, "target": target, "lambda": self.lam, "mu": mu}
 
     def _descend_projected(self, kd: torch.Tensor) -> dict:
-        """The forward already is a model within the budget (the uniform shape, or the exact
-        per-layer selection), so only KD trains the gates. A unit outside the projection
-        still gets KD's gradient (as in relu_ste) and swaps in when its z passes the weakest
-        kept unit's (of its layer for one shape; of the whole model per layer)."""
-        keep_h, keep_c = self._projected()
-        group = self.gates.group
-        c = self.costs
-        kv = (keep_h.view(self.layers, -1, group).sum(-1) > 0).sum().item()
-        kept = (self.layers * c.fixed + c.head * keep_h.sum().item() + c.kv * kv
-                + c.channel * keep_c.sum().item()) / self.dense_cost
+        """Uniform layout: the forward already is a model of `self.shape`, so only KD trains
+        the gates. A unit outside the projection still gets KD's gradient (as in relu_ste)
+        and swaps in when its z passes the weakest kept unit's of its layer."""
         self.opt.zero_grad(set_to_none=True)
         kd.backward()
         self.opt.step()
         self.step_count += 1
-        return {"kd": kd.item(), "retain": kept, "target": self.cfg.retain, "lambda": self.lam, "mu": 0.0}
+        kept = self.layers * self.costs.block(self.shape.num_heads, self.shape.num_kv_heads,
+                                              self.shape.intermediate_size) / self.dense_cost
+        return {"kd": kd.item(), "retain": kept, "target": self.cfg.retain, "lambda": 0.0, "mu": 0.0}
 
     def start_from(self, masks: Masks) -> None:
         """Start at a one-shot selection that already meets the budget (`start="baseline"`):
@@ -310,9 +290,7 @@ class DDP:
         if not path.is_file():
             return False
         state = torch.load(path, weights_only=False)
-        # A field added since the checkpoint was written held its default there.
-        defaults = {f.name: f.default for f in fields(DDPConfig) if f.default is not MISSING}
-        if {**defaults, **state["config"]} != asdict(self.cfg) or state.get("algorithm") != ALGORITHM:
+        if state["config"] != asdict(self.cfg) or state.get("algorithm") != ALGORITHM:
             return False
         self.gates.load_state_dict(state["gates"])
         self.opt.load_state_dict(state["opt"])
