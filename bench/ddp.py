@@ -76,9 +76,6 @@ def main() -> None:
     runs += [("ddp", layout) for layout in args.layouts]
     for retain in args.retain:
         path = out / f"ddp-{args.budget}-r{retain:.2f}.json"
-        # Runs of one level may come from separate processes (--layouts): merge, newest wins.
-        level = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
-        level["protocol"] = protocol
         for method, layout in runs:
             name = method if method == "activation" else f"ddp-{layout}"
             pkg = ROOT / "out" / out.name / f"smollm2-{args.target}-{name}-{args.budget}-r{retain:.2f}"
@@ -95,11 +92,23 @@ def main() -> None:
                 resume=args.resume or (layout == "uniform" and not args.project_uniform),
                 eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)))["manifest"]
             q = m["quality"]["perplexity"]
+            # Runs of one level may come from separate processes (--layouts): read the file
+            # again just before writing this run's row into it, so none is lost; newest wins.
+            level = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
+            level["protocol"] = protocol
+            training = m["method"].get("ddp")
+            old = level["runs"].get(name, {}).get("training") or {}
+            if (training and training["resumed_from_step"] == training["steps"] and old.get("resumed_from_step") == 0
+                    and old.get("checkpoint") == training["checkpoint"]):
+                # Re-exported (--resume) from the gates an earlier run of this row trained: the
+                # training's own wall time and memory are that run's.
+                training = {**training, "wall_s": old["wall_s"], "peak_rss_gib": old["peak_rss_gib"],
+                            "resumed_from_step": 0, "reexported": True}
             level["runs"][name] = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),
                                    "shape": m["method"]["shape"], "retain_achieved": m["method"]["retain_achieved"],
                                    "retain_budget_achieved": m["method"]["retain_budget_achieved"],
                                    "ppl_dense": q["dense"], "ppl": q["pruned"], "excess_ppl": q["pruned"] - q["dense"],
-                                   "ideal_ratio": m["size"]["ideal_ratio"], "training": m["method"].get("ddp"),
+                                   "ideal_ratio": m["size"]["ideal_ratio"], "training": training,
                                    "command": protocol["command"]}
             path.write_text(json.dumps(level, indent=2) + "\n")
     results = {"protocol": protocol, "levels": {}}
@@ -127,7 +136,7 @@ def _markdown(results: dict) -> str:
             ratio = (f"{r['excess_ppl'] / base['excess_ppl']:.2f}" if method.startswith("ddp") and base else "—")
             tokens = t.get("steps", 0) * t.get("batch", 0) * t.get("seq_len", 0)
             wall = ("same gates" if t and t.get("resumed_from_step") == t.get("steps")
-                    else f"{t['wall_s']} s" if t else "—")
+                    else f"{t['wall_s']} s" + (" (re-exported)" if t.get("reexported") else "") if t else "—")
             beta = (f"{t['beta']:g}, {t['steps']} × {t['batch']} × {t['seq_len']}" + (f", {t['dtype']}" if t.get("dtype", "bfloat16") != "bfloat16" else "")
                     if t else "—")
             lines.append(f"| {retain} | {method} | {beta} | {s['num_heads']:g}/{s['num_kv_heads']:g}/{s['intermediate_size']:g} | "

@@ -11,6 +11,9 @@ layout's width, keeping each capped layer's best channels by gate value:
     first-capped    only layer 0 capped
     rest-capped     every layer but layer 0 capped
     all-capped      every layer capped (the uniform export's MLP; heads stay per layer)
+    uniform-size    the per-layer export cut to the uniform row's achieved retention instead of
+                    the budget (a uniform shape rarely meets the budget exactly, a per-layer one
+                    does: this compares the two at the same size)
 
 Perplexity of the masked model (equal to the physically pruned one: tests/test_ddp.py), same
 WikiText-2 test windows as bench/ddp.py. Writes uniform-gap-r{retain}.json and .md beside the
@@ -42,7 +45,8 @@ def capped(masks: Masks, z_channels: torch.Tensor, width: int, layers) -> Masks:
         if layer in layers and len(b.channels) > width:
             z = z_channels[layer]
             keep = sorted(sorted(b.channels, key=lambda i: -float(z[i]))[:width])
-            b = BlockMask(b.heads, b.kv_heads, keep, b.head_scale, [float(torch.relu(z[i])) for i in keep])
+            scale = dict(zip(b.channels, b.channel_scale))
+            b = BlockMask(b.heads, b.kv_heads, keep, b.head_scale, [scale[i] for i in keep])
         blocks.append(b)
     return Masks(blocks)
 
@@ -66,10 +70,10 @@ def main() -> None:
                  f"rerun its command first: {run.get('command', 'bench/ddp.py --layouts per-layer ...')}")
     if level["protocol"]["budget"] != "params":
         sys.exit("error: only params-budget runs (ddp-params-r*.json): the per-layer masks are rebuilt with parameter costs")
-    uniform = next((runs[k]["shape"] for k in ("ddp-uniform", "activation") if k in runs), None)
+    uniform = next((runs[k] for k in ("ddp-uniform", "activation") if k in runs), None)
     if uniform is None:
         sys.exit(f"error: {result} has no uniform row (ddp-uniform or activation) to take the uniform width from")
-    width = int(uniform["intermediate_size"])
+    width = int(uniform["shape"]["intermediate_size"])
 
     model, tok = load.load_model(load.resolve(None))
     adapter = get_adapter(model.config)
@@ -84,13 +88,17 @@ def main() -> None:
                 "first-capped": capped(per_layer, z, width, {0}),
                 "rest-capped": capped(per_layer, z, width, set(range(1, n))),
                 "all-capped": capped(per_layer, z, width, set(range(n)))}
+    ddp.cfg.retain = uniform["retain_achieved"]
+    variants["uniform-size"] = ddp.budget_masks()
     text = data.read_text_file(Path(args.data) / "wikitext2-raw-test.txt").text
     windows = data.token_windows(tok, text, 2048, args.eval_windows)
     rows = {}
+    dense = n * adapter.block_params(model.config, adapter.dense_shape(model.config))
     for name, masks in variants.items():
         with torch.inference_mode(), masked(model, adapter, masks):
             ppl = evaluate.perplexity(model, windows, name)
-        rows[name] = {"ppl": ppl, "channels": [len(b.channels) for b in masks.blocks],
+        rows[name] = {"ppl": ppl, "retain": sum(adapter.block_params(model.config, b.shape()) for b in masks.blocks) / dense,
+                      "channels": [len(b.channels) for b in masks.blocks],
                       "heads": [len(b.heads) for b in masks.blocks]}
         print(f"{name}: {ppl:.2f}", flush=True)
 
@@ -108,10 +116,11 @@ def markdown(out: dict) -> str:
     lines = [f"# Per-layer DDP gates at retention {out['retain']}, MLP capped at the uniform width {out['uniform_width']}", "",
              f"PPL on {out['eval_windows']} × 2048 WikiText-2 test tokens; the per-layer package measured "
              f"{out['package_ppl']:.2f}. `{out['command']}`", "",
-             "| variant | layer 0 channels | other layers' channels (mean) | PPL |", "|---|---:|---:|---:|"]
+             "| variant | retention | layer 0 channels | other layers' channels (mean) | PPL |", "|---|---:|---:|---:|---:|"]
     for variant, r in out["variants"].items():
         rest = r["channels"][1:]
-        lines.append(f"| {variant} | {r['channels'][0]} | {sum(rest) / len(rest):.1f} | {r['ppl']:.2f} |")
+        retain = f"{r['retain']:.3f}" if "retain" in r else "—"
+        lines.append(f"| {variant} | {retain} | {r['channels'][0]} | {sum(rest) / len(rest):.1f} | {r['ppl']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -105,6 +105,34 @@ def test_budget_masks_meet_the_budget_exactly():
     assert kept <= 0.5 * dense and kept > 0.5 * dense - 2 * max(unit[:3])  # at most one unit of slack either way
 
 
+def test_budget_masks_fill_a_training_that_ended_under_the_budget():
+    """Training can end under the budget: the best removed channels by z fill it, those with
+    no learned scale (z <= 0) at the dense model's scale 1, and the export is exact."""
+    model, adapter, ddp, _, data = _trained(retain=0.5, steps=2)
+    with torch.no_grad():  # 30% of every kind positive: well under the budget
+        for z in (ddp.gates.head, ddp.gates.channel):
+            z.copy_(torch.where(torch.rand(z.shape, generator=torch.Generator().manual_seed(1)) < 0.3,
+                                torch.rand(z.shape, generator=torch.Generator().manual_seed(2)) + 0.1,
+                                -torch.rand(z.shape, generator=torch.Generator().manual_seed(3))))
+    masks = ddp.budget_masks()
+    kept = sum(adapter.block_params(model.config, b.shape()) for b in masks.blocks)
+    dense = model.config.num_hidden_layers * adapter.block_params(model.config, adapter.dense_shape(model.config))
+    unit = adapter.unit_params(model.config)
+    assert 0.5 * dense - unit[2] < kept <= 0.5 * dense  # filled to within one channel
+    z = ddp.gates.channel.detach()
+    filled = [(layer, i) for layer, b in enumerate(masks.blocks) for i in b.channels if z[layer, i] <= 0]
+    assert filled and all(b.channel_scale[b.channels.index(i)] == 1.0
+                          for layer, i in filled for b in [masks.blocks[layer]])
+    cut = max(z[layer, i].item() for layer, b in enumerate(masks.blocks)
+              for i in range(z.shape[1]) if i not in b.channels)
+    assert min(z[layer, i].item() for layer, i in filled) >= cut  # the best removed ones came back
+    ddp.remove_hooks()
+    with torch.inference_mode(), masked(model, adapter, masks):
+        ref = model(data[:2]).logits
+    with torch.inference_mode():
+        torch.testing.assert_close(prune_per_layer(model, adapter, masks)(data[:2]).logits, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_runs_are_deterministic_under_a_seed_and_resume_exactly(tmp_path):
     _, _, a, log_a, _ = _trained(steps=12, seed=3)
     _, _, b, log_b, _ = _trained(steps=12, seed=3)

@@ -43,6 +43,9 @@ from optimizer.surgery import BlockMask, Masks
 
 # Bumped whenever training changes what a checkpoint means: `load` refuses older ones.
 ALGORITHM = "ddp-4: per-head gates, relu_ste, ramp continued below zero, inequality AL; uniform projection"
+# Added for runs projected onto one shape only, whose forward changed alone: a kept unit at
+# z <= 0 went from 0 to 1. Checkpoints of every other run stay valid.
+PROJECTED = "; projected units at z <= 0 ship at 1"
 
 
 @dataclass
@@ -158,9 +161,9 @@ class DDP:
             z = (self.gates.head if kind == "head" else self.gates.channel)[layer]
             if self.shape is None:
                 g = relu_ste(z)
-            else:  # forward: the uniform model being trained; backward: as relu_ste
+            else:  # forward: the uniform model that ships (`shipped_scales`); backward: as relu_ste
                 keep = self._projected()[0 if kind == "head" else 1][layer]
-                g = z + (z.clamp_min(0) * keep - z).detach()
+                g = z + (torch.where(z > 0, z, 1.0) * keep - z).detach()
             if kind == "head":
                 g = g.repeat_interleave(self.head_dim)
             return (args[0] * g.to(args[0].dtype),) + tuple(args[1:])
@@ -277,7 +280,10 @@ class DDP:
     # --- checkpoint / resume ------------------------------------------------------------------
     def state(self) -> dict:
         return {"gates": self.gates.state_dict(), "opt": self.opt.state_dict(), "lam": self.lam,
-                "step": self.step_count, "config": asdict(self.cfg), "algorithm": ALGORITHM, "rng": torch.get_rng_state()}
+                "step": self.step_count, "config": asdict(self.cfg), "algorithm": self._algorithm(), "rng": torch.get_rng_state()}
+
+    def _algorithm(self) -> str:
+        return ALGORITHM + (PROJECTED if self.shape is not None else "")
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -290,7 +296,7 @@ class DDP:
         if not path.is_file():
             return False
         state = torch.load(path, weights_only=False)
-        if state["config"] != asdict(self.cfg) or state.get("algorithm") != ALGORITHM:
+        if state["config"] != asdict(self.cfg) or state.get("algorithm") != self._algorithm():
             return False
         self.gates.load_state_dict(state["gates"])
         self.opt.load_state_dict(state["opt"])
@@ -301,9 +307,19 @@ class DDP:
 
     # --- decide -------------------------------------------------------------------------------
     def unit_values(self):
-        """Per layer: effective head gates [H], channel gates [I] (the scales to fold)."""
+        """Per layer: effective head gates [H], channel gates [I] (ReLU(z))."""
         with torch.no_grad():
             return list(F.relu(self.gates.head)), list(F.relu(self.gates.channel))
+
+    def shipped_scales(self):
+        """Per layer: the scale a kept head [H] / channel [I] ships with, to fold into o_proj /
+        down_proj. Its learned ReLU(z) where z > 0; a unit kept at z <= 0 (to fill the budget,
+        or by a uniform shape wider than a layer's positive gates) has no learned scale, and
+        comes back as in the dense model, at 1. On SmolLM2 that beat leaving it at 0 (wasted
+        budget) in both layouts (bench/results/ddp-probes/README.md, "Filling the budget")."""
+        with torch.no_grad():
+            return ([torch.where(z > 0, z, torch.ones_like(z)) for z in self.gates.head],
+                    [torch.where(z > 0, z, torch.ones_like(z)) for z in self.gates.channel])
 
     def _select(self, shape: BlockShape) -> Masks:
         """The best units per block for `shape`, by z (among units at ReLU(z) = 0 the order is
@@ -311,8 +327,8 @@ class DDP:
         return select_uniform(list(self.gates.head.detach()), list(self.gates.channel.detach()), self.dense, shape)
 
     def decide(self, shape: BlockShape) -> Masks:
-        """Uniform layout: `_select(shape)`, with the kept units' ReLU(z) as scales."""
-        heads, chans = self.unit_values()
+        """Uniform layout: `_select(shape)`, with the kept units' `shipped_scales`."""
+        heads, chans = self.shipped_scales()
         masks = self._select(shape)
         for b, h, c in zip(masks.blocks, heads, chans):
             b.head_scale = h[b.heads].tolist()
@@ -325,8 +341,8 @@ class DDP:
         KV groups are kept when their gate and at least one of their heads are positive; a
         removed group takes its query heads with it. Ties to the budget are broken by
         dropping the lowest-valued channels, then heads, until the cost fits; then every kept
-        group of a layer is cut to the same number of query heads (GQA needs it) and the
-        budget this frees goes back to the best removed channels.
+        group of a layer is cut to the same number of query heads (GQA needs it), and what is
+        left of the budget goes to the best removed channels by z.
         """
         heads, chans = self.unit_values()
         c, group = self.costs, self.gates.group
@@ -362,17 +378,20 @@ class DDP:
                     keep[values.argmax()] = True
             _equal_heads_per_group(kh, h, group)
         total = cost()
-        # Heads dropped to equalise the groups leave budget over: the best channels the
-        # tie-break removed (positive gates only; a zero gate contributes nothing) come back.
-        spare = sorted(((chans[l_][i].item(), l_, i) for l_ in range(self.layers)
-                        for i in (~keep_c[l_] & (chans[l_] > 0)).nonzero().flatten().tolist()), reverse=True)
+        # Fill what is left of the budget with the best removed channels by z (at their
+        # `shipped_scales`). Heads dropped to equalise the groups leave budget over, and so does
+        # a training that ends under the budget (λ lags the constraint both ways: SmolLM2 runs
+        # ended at 0.793 for 0.8 and 0.478 for 0.5).
+        z = self.gates.channel.detach()
+        spare = sorted(((z[l_, i].item(), l_, i) for l_ in range(self.layers)
+                        for i in (~keep_c[l_]).nonzero().flatten().tolist()), reverse=True)
         for _, l_, i in spare:
             if total + c.channel > budget:
                 break
             keep_c[l_][i] = True
             total += c.channel
         blocks = []
-        for kh, kc, h, x in zip(keep_h, keep_c, heads, chans):
+        for kh, kc, h, x in zip(keep_h, keep_c, *self.shipped_scales()):
             hi = kh.nonzero().flatten().tolist()
             ci = kc.nonzero().flatten().tolist()
             kv = sorted({i // group for i in hi})
