@@ -122,6 +122,11 @@ def ramp(z: torch.Tensor, mu: float) -> torch.Tensor:
     return x.clamp(0, 1).detach() + (x - x.detach()) * (x <= 1)  # gradient 1/μ up to z = μ
 
 
+def shipped_scale(z: torch.Tensor) -> torch.Tensor:
+    """ReLU(z) where z > 0, else 1: the scale a kept unit ships with (`DDP.shipped_scales`)."""
+    return torch.where(z > 0, z, torch.ones_like(z))
+
+
 def relu_ste(z: torch.Tensor) -> torch.Tensor:
     """ReLU(z) forward; gradient 1 everywhere. A removed unit (z <= 0) still sees how the loss
     would change if it came back, so a unit cut early can return when the KD loss wants it:
@@ -163,7 +168,7 @@ class DDP:
                 g = relu_ste(z)
             else:  # forward: the uniform model that ships (`shipped_scales`); backward: as relu_ste
                 keep = self._projected()[0 if kind == "head" else 1][layer]
-                g = z + (torch.where(z > 0, z, 1.0) * keep - z).detach()
+                g = z + (shipped_scale(z) * keep - z).detach()
             if kind == "head":
                 g = g.repeat_interleave(self.head_dim)
             return (args[0] * g.to(args[0].dtype),) + tuple(args[1:])
@@ -318,8 +323,7 @@ class DDP:
         comes back as in the dense model, at 1. On SmolLM2 that beat leaving it at 0 (wasted
         budget) in both layouts (bench/results/ddp-probes/README.md, "Filling the budget")."""
         with torch.no_grad():
-            return ([torch.where(z > 0, z, torch.ones_like(z)) for z in self.gates.head],
-                    [torch.where(z > 0, z, torch.ones_like(z)) for z in self.gates.channel])
+            return [shipped_scale(z) for z in self.gates.head], [shipped_scale(z) for z in self.gates.channel]
 
     def _select(self, shape: BlockShape) -> Masks:
         """The best units per block for `shape`, by z (among units at ReLU(z) = 0 the order is
