@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from optimizer.adapters import get_adapter
-from optimizer.methods.roi import (RoI, RoIConfig, gumbel, hard_topn, relaxed_khot, sample_mask,
-                                   wanda_prior)
+from optimizer.methods import roi as roi_module
+from optimizer.methods.roi import (RoI, RoIConfig, fused_masked_weight, gumbel, gumbel_from_uniform, hard_topn,
+                                   relaxed_khot, sample_mask, wanda_prior)
 from optimizer.sparsity import Sparsity
 from tests.conftest import tiny_model
 
@@ -61,6 +62,22 @@ def test_hard_forward_mask_complies(n, m):
         assert (mask.detach().reshape(16, -1, m).sum(-1) == n).all()
         assert sp.complies(torch.randn(16, 64) * mask.detach())
         mask.sum().backward()  # the soft gradient reaches φ
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
+def test_the_compiled_mask_kernel_matches_the_eager_relaxation(n, m):
+    """The fused path the real model trains with (weights ≥ COMPILE_MIN_NUMEL): same W ⊙ mask in
+    the forward, same gradient on φ."""
+    g = torch.Generator().manual_seed(0)
+    w, phi = torch.randn(256, 1024, generator=g), torch.randn(256, 1024, generator=g).requires_grad_()
+    u, upstream = torch.rand(256, 1024, generator=g), torch.randn(256, 1024, generator=g)
+    eager = w * sample_mask(phi, gumbel_from_uniform(u), n, m, 0.3, 2.0)
+    (grad_eager,) = torch.autograd.grad((eager * upstream).sum(), phi)
+    fused = fused_masked_weight(w, phi, u, n, m, 0.3, 2.0)
+    assert roi_module._compiled_masked_weight is not roi_module.masked_weight, "torch.compile fell back to eager"
+    (grad_fused,) = torch.autograd.grad((fused * upstream).sum(), phi)
+    assert torch.equal(fused, eager)
+    torch.testing.assert_close(grad_fused, grad_eager, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (2, 8), (4, 8)])
