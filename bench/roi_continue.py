@@ -1,0 +1,84 @@
+"""Does RoI gain from more steps at the end of its schedule? (issue 5 probe)
+
+RoI anneals τ down and the logit scale λ up over `--roi-steps`; in the 240-step run most of the
+KD loss fell in the last quarter, where sampling is nearly deterministic. This resumes a finished
+run's checkpoint (φ, Adam, noise generator, data order) and trains `--steps` more steps at the
+final τ and λ, measuring the perplexity of the hard mask before and every `--eval-every` steps.
+
+    .venv/bin/python bench/roi_continue.py CHECKPOINT --steps 100 --eval-every 50 --threads 2 \
+        --json bench/results/sparse-roi-long/roi-continue-2of4.json
+
+CHECKPOINT: the `roi.checkpoint` path in a RoI package's manifest (or a bench/sparse.py JSON). The
+calibration and evaluation windows are bench/sparse.py's (32 and 16 × 2048 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from optimizer import data, evaluate, load  # noqa: E402
+from optimizer.adapters import get_adapter  # noqa: E402
+from optimizer.methods.roi import RoI, RoIConfig  # noqa: E402
+from optimizer.pipeline import _batch_indices  # noqa: E402
+from optimizer.sparsity import parse  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--calib-windows", type=int, default=32)
+    ap.add_argument("--eval-windows", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", help="write the result here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    state = torch.load(args.checkpoint, weights_only=False, mmap=True)
+    cfg, sparsity = RoIConfig(**state["config"]), parse(state["sparsity"])
+    del state
+    model, tok = load.load_model(load.resolve(None))
+    text = lambda name: data.read_text_file(Path(args.data) / name).text  # noqa: E731
+    chunks = data.token_windows(tok, text("wikitext2-valid.txt"), 2048, args.calib_windows).reshape(-1, 512)
+    test = data.token_windows(tok, text("wikitext2-raw-test.txt"), 2048, args.eval_windows)
+    roi = RoI(model, get_adapter(model.config), sparsity, cfg)
+    if not roi.load(args.checkpoint):
+        raise SystemExit(f"{args.checkpoint}: could not resume")
+    if roi.step_count < cfg.steps:
+        raise SystemExit(f"{args.checkpoint}: the run stopped at step {roi.step_count} of {cfg.steps}; finish it first")
+
+    def ppl(desc):
+        roi.mode = "hard"
+        with torch.no_grad():
+            return evaluate.perplexity(model, test, desc)
+
+    trace = [{"extra_steps": 0, "ppl": ppl("hard mask, end of schedule")}]
+    print(trace[-1], flush=True)
+    t0, losses = time.time(), []
+    for k in tqdm(range(1, args.steps + 1), desc=f"RoI {sparsity}: steps at τ={roi.tau():.2f}, λ={roi.scale():.1f}"):
+        losses.append(roi.step(chunks[_batch_indices(len(chunks), 1, roi.step_count, cfg.seed)])["loss"])
+        if k % args.eval_every == 0 or k == args.steps:
+            trace.append({"extra_steps": k, "ppl": ppl(f"hard mask, +{k} steps"),
+                          "kd_last10": sum(losses[-10:]) / len(losses[-10:]), "train_s": round(time.time() - t0, 1)})
+            print(trace[-1], flush=True)
+    result = {"checkpoint": args.checkpoint, "pattern": str(sparsity), "schedule_steps": cfg.steps,
+              "tau": roi.tau(), "scale": roi.scale(), "calib_windows": args.calib_windows,
+              "eval_windows": args.eval_windows, "threads": args.threads, "trace": trace}
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
