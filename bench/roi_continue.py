@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--save", help="checkpoint the continued run here (it can be continued again)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     state = torch.load(args.checkpoint, weights_only=False, mmap=True)
@@ -72,9 +73,12 @@ def main() -> None:
             trace.append({"extra_steps": k, "ppl": ppl(f"hard mask, +{k} steps"),
                           "kd_last10": sum(losses[-10:]) / len(losses[-10:]), "train_s": round(time.time() - t0, 1)})
             print(trace[-1], flush=True)
-    result = {"checkpoint": args.checkpoint, "pattern": str(sparsity), "schedule_steps": cfg.steps,
-              "tau": roi.tau(), "scale": roi.scale(), "calib_windows": args.calib_windows,
-              "eval_windows": args.eval_windows, "threads": args.threads, "trace": trace}
+    if args.save:
+        roi.save(args.save)
+    result = {"checkpoint": args.checkpoint, "saved": args.save, "steps_done": roi.step_count,
+              "pattern": str(sparsity), "schedule_steps": cfg.steps, "tau": roi.tau(), "scale": roi.scale(),
+              "calib_windows": args.calib_windows, "eval_windows": args.eval_windows, "threads": args.threads,
+              "trace": trace}
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

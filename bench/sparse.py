@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--calib-windows", type=int, default=32)
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--roi-steps", type=int, default=40)
+    ap.add_argument("--roi-steps", type=int, default=240)
     ap.add_argument("--si-steps", type=int, default=20)
     ap.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="our calibration passes (optimize --calib-dtype); the peer runs fp32 as it ships")

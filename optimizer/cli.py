@@ -58,7 +58,7 @@ def one_line_errors(fn):
 @click.option("--ddp-start", default="baseline", show_default=True, type=click.Choice(["baseline", "dense"]),
               help="DDP gates start at the one-shot baseline's selection (refined from there), or dense (the paper's).")
 @click.option("--si-steps", default=20, show_default=True, help="SI: optimisation steps per block.")
-@click.option("--roi-steps", default=40, show_default=True, help="RoI: mask-training steps (512 tokens each).")
+@click.option("--roi-steps", default=240, show_default=True, help="RoI: mask-training steps (512 tokens each).")
 @click.option("--roi-prior", default="wanda", show_default=True, type=click.Choice(["wanda", "sparsegpt"]),
               help="RoI's one-shot start: SparseGPT's mask and weight update, or Wanda scores.")
 @click.option("--calib-dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16"]),

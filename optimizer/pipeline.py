@@ -77,7 +77,8 @@ class OptimizeConfig:
     sparsity: str = "2:4"             # semi-structured methods: N:M, or an unstructured fraction
     si_steps: int = 20                # SI: optimisation steps per block
     roi_prior: str = "wanda"          # RoI's one-shot start: wanda (one dense pass) | sparsegpt (mask + weight update)
-    roi_steps: int = 40               # RoI: mask-training steps of 512 tokens (13–20 s each here on SmolLM2)
+    roi_steps: int = 240              # RoI: mask-training steps of 512 tokens (13–20 s each here on SmolLM2;
+                                      # 240 gave 46.14 at 2:4 where 40 gave 51.46, bench/results/sparse-roi-long)
     calib_dtype: str = "auto"         # one-shot calibration passes: auto (bf16 where native) | float32 | bfloat16
     log: callable = field(default=print, repr=False)
 
