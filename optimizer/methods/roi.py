@@ -74,10 +74,11 @@ class RoIConfig:
     scale_start: float = 1.0    # logit scale λ in r = λφ + g, annealed geometrically
     scale_end: float = 10.0
     init_scale: float = 3.0     # φ = init_scale · per-group standardised log prior score
-    checkpoint: bool = True     # recompute the relaxation in the backward (saves ~N·M-fold
-                                # activation memory of the soft masks; keeps only g)
+    checkpoint: bool = True     # eager path: recompute the relaxation in the backward (saves
+                                # ~N·M-fold activation memory of the soft masks; keeps only g)
     compile: bool = True        # fuse noise → mask → W ⊙ mask into one torch.compile kernel for
-                                # the large weights (~3× faster mask ops on CPU; same forward)
+                                # the large weights (far fewer passes over memory; same forward;
+                                # the compiler picks what to keep for the backward)
     seed: int = 0
 
 
@@ -136,7 +137,7 @@ def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
 
 
 # --- the fused path -----------------------------------------------------------------------------
-# On SmolLM2 the per-weight mask ops (noise, relaxation, their backward) took ~3/4 of a step in
+# On SmolLM2 the per-weight mask ops (noise, relaxation, their backward) took most of a step in
 # eager mode: a dozen passes over 106M logits. torch.compile fuses them, with the product W ⊙ mask,
 # into one kernel each way. Only for weights this large: a compile costs seconds per shape, which
 # tiny models (the tests) never win back.
