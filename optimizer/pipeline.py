@@ -345,11 +345,11 @@ def _choose_uniform(cfg, model, adapter, method, held_out: torch.Tensor, costs, 
 
 
 # DDP's training settings where the config leaves them unset, by layout. Per layer, longer
-# training sequences and a looser budget won at every level (SmolLM2-135M, before the budget fill:
-# 29.80 / 36.77 / 63.19 at 0.8 / 0.7 / 0.5, against 32.51 / 41.74 / 79.06 with the uniform row's settings). The uniform
-# export cuts every layer to one shape, which costs more the further training has moved units
-# between layers: at 0.5 it gave 104.04 with these settings, 146.06 and 199.11 with 1024-token
-# training at β = 25 and 50. bench/results/ddp-probes/README.md has the runs.
+# training sequences and a looser budget won at every level (SmolLM2-135M, before the budget
+# fill: 29.80 / 36.77 / 63.19 at 0.8 / 0.7 / 0.5, against 32.51 / 41.74 / 79.06 with the uniform
+# row's settings). The uniform export cuts every layer to one shape, which costs more the further
+# training has moved units between layers: at 0.5 it gave 104.04 with these settings, 146.06 and
+# 199.11 with 1024-token training at β = 25 and 50. bench/results/ddp-probes/README.md has the runs.
 DDP_DEFAULTS = {"per-layer": {"ddp_seq_len": 1024, "ddp_batch": 1, "ddp_beta": 25.0},
                 "uniform": {"ddp_seq_len": 256, "ddp_batch": 2, "ddp_beta": 50.0}}
 

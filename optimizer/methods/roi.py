@@ -223,7 +223,7 @@ def wanda_prior(model, adapter: DecoderAdapter, windows: torch.Tensor) -> list[d
 # --- the method --------------------------------------------------------------------------------
 
 class _Mask(nn.Module):
-    """Parametrization weight → weight ⊙ mask, the mask provided by the owning RoI."""
+    """Parametrization weight → weight ⊙ mask, computed by the owning RoI in its current mode."""
 
     def __init__(self, roi: "RoI", block: int, name: str):
         super().__init__()
