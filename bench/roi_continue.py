@@ -45,6 +45,10 @@ def main() -> None:
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--save", help="checkpoint the continued run here (it can be continued again)")
     args = ap.parse_args()
+    if not Path(args.checkpoint).is_file():
+        raise SystemExit(f"error: {args.checkpoint}: no such checkpoint (a RoI run's `roi.checkpoint`)")
+    if args.steps < 1 or args.eval_every < 1:
+        raise SystemExit("error: --steps and --eval-every must be at least 1")
     torch.set_num_threads(args.threads)
     state = torch.load(args.checkpoint, weights_only=False, mmap=True)
     cfg, sparsity = RoIConfig(**state["config"]), parse(state["sparsity"])
