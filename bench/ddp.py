@@ -4,6 +4,7 @@
     .venv/bin/python bench/ddp.py --retain 0.7 --steps 120          # one level, longer training
     .venv/bin/python bench/ddp.py --retain 0.7 --budget latency     # hardware-aware budget
     .venv/bin/python bench/ddp.py --retain 0.7 --beta 25 --out bench/results/ddp-probes/beta25   # settings
+    .venv/bin/python bench/ddp.py --refit --resume --out bench/results/ddp-refit  # the same gates, refitted
 
 Levels run as separate processes (one per core) write separate files
 (ddp-{budget}-r{retain}.json); the table gathers every level present.
@@ -58,6 +59,8 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true",
                     help="continue (or reuse, if finished) a training of the same settings from its checkpoint")
     ap.add_argument("--project-uniform", action="store_true", help="train the uniform layout's own gates, projected onto the baseline's shape")
+    ap.add_argument("--refit", action="store_true",
+                    help="every row (baseline too) with the least-squares refit of the kept o_proj / down_proj columns")
     ap.add_argument("--layouts", nargs="+", default=["per-layer", "uniform"], choices=["per-layer", "uniform"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ddp"))
     args = ap.parse_args()
@@ -69,7 +72,7 @@ def main() -> None:
     protocol = {"target": args.target, "budget": args.budget, "steps": args.steps, "batch": args.batch,
                 "seq_len": args.seq_len, "lr": args.lr,
                 "beta": args.beta, "beta_start": args.beta_start, "project_uniform": args.project_uniform, "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
-                "calib_dtype": args.calib_dtype,
+                "calib_dtype": args.calib_dtype, "refit": args.refit,
                 "eval": str(data / "wikitext2-raw-test.txt"), "eval_windows": args.eval_windows,
                 "torch_threads": args.threads, "command": " ".join(sys.argv)}
     runs = [("activation", "uniform")] if not args.skip_baseline else []
@@ -87,7 +90,7 @@ def main() -> None:
                 out=str(pkg), calib_windows=args.calib_windows, ddp_steps=args.steps, ddp_batch=args.batch, seq_len=2048,
                 ddp_seq_len=args.seq_len, ddp_lr=args.lr,
                 threads=args.threads, ddp_start=args.ddp_start, ddp_beta=args.beta, ddp_beta_start=args.beta_start,
-                ddp_project_uniform=args.project_uniform, calib_dtype=args.calib_dtype,
+                ddp_project_uniform=args.project_uniform, calib_dtype=args.calib_dtype, refit=args.refit,
                 # the uniform export reuses the per-layer run's gates, unless it trains its own
                 resume=args.resume or (layout == "uniform" and not args.project_uniform),
                 eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)))["manifest"]
@@ -121,7 +124,8 @@ def main() -> None:
 
 def _markdown(results: dict) -> str:
     p = results["protocol"]
-    lines = [f"# DDP vs one-shot structured baseline ({p['budget']} budget, target {p['target']})", "",
+    refit = " — every row refitted (--refit)" if p.get("refit") else ""
+    lines = [f"# DDP vs one-shot structured baseline ({p['budget']} budget, target {p['target']}){refit}", "",
              f"Perplexity on {Path(p['eval']).name} ({p['eval_windows']} windows of 2048); DDP trained "
              f"on {Path(p['calib']).name} (β, steps × sequences × tokens per step per row), starting from "
              f"the {p['ddp_start']} selection; torch threads {p['torch_threads']}. Each DDP row is its own "

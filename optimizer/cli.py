@@ -65,10 +65,13 @@ def one_line_errors(fn):
               help="Precision of the one-shot calibration and DDP training passes (statistics, gates and "
                    "losses stay fp32); auto = bf16 where "
                    "the hardware has it natively.")
+@click.option("--refit", is_flag=True,
+              help="Structured methods: refit the kept o_proj / down_proj columns by least squares on the "
+                   "calibration windows, so they make up for what was removed (weights change; same shapes).")
 @one_line_errors
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads, budget, layout, steps, resume, ddp_start, si_steps, roi_steps, roi_prior,
-             calib_dtype):
+             calib_dtype, refit):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
@@ -82,7 +85,7 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
                        eval_windows=None if eval_windows == "all" else int(eval_windows), seq_len=seq_len,
                        seed=seed, threads=threads, budget=budget, layout=layout, ddp_steps=steps, resume=resume, ddp_start=ddp_start,
                        sparsity=sparsity, si_steps=si_steps, roi_steps=roi_steps, roi_prior=roi_prior,
-                       calib_dtype=calib_dtype))
+                       calib_dtype=calib_dtype, refit=refit))
 
 
 @click.command()

@@ -80,6 +80,8 @@ class OptimizeConfig:
     roi_steps: int = 240              # RoI: mask-training steps of 512 tokens (13–20 s each here on SmolLM2;
                                       # 240 gave 46.14 at 2:4 where 40 gave 51.46, bench/results/sparse-roi-long)
     calib_dtype: str = "auto"         # one-shot calibration passes: auto (bf16 where native) | float32 | bfloat16
+    refit: bool = False               # structured: least-squares refit of the kept o_proj / down_proj columns
+    refit_damp: float = 0.1           # its ridge toward the masked weights, × mean diag of the Gram matrix
     log: callable = field(default=print, repr=False)
 
 
@@ -102,6 +104,8 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError("--steps, the DDP batch and its sequence length must be >= 1")
     if not (cfg.ddp_lr > 0 and (cfg.ddp_beta is None or cfg.ddp_beta > 0) and (cfg.ddp_beta_start is None or cfg.ddp_beta_start > 0)):
         raise UserError("the DDP learning rate and β (and β's start) must be > 0")
+    if cfg.refit_damp <= 0:
+        raise UserError(f"the refit's ridge (refit_damp) must be > 0, got {cfg.refit_damp}")
     if cfg.seq_len < 16 or cfg.calib_windows < 1 or (cfg.eval_windows is not None and cfg.eval_windows < 1):
         raise UserError("--seq-len must be >= 16 and window counts >= 1")
     if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":
@@ -111,6 +115,8 @@ def validate(cfg: OptimizeConfig) -> None:
             raise UserError(f"--method roi learns N:M masks; --sparsity {cfg.sparsity} is unstructured")
         if cfg.layout != "uniform":
             raise UserError("--layout applies to structured methods; semi-structured pruning keeps every shape")
+        if cfg.refit:
+            raise UserError("--refit applies to structured methods (removed heads and channels), not semi-structured ones")
     for path, what in ((cfg.calib, "calibration file"), (cfg.eval, "evaluation file")):
         if path is not None:
             data.read_text_file(path, what)  # raises on missing / empty / binary
@@ -190,6 +196,7 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
         # every block keeps its own shape.
         masks = method.budget_masks()
         tried, chosen, shape = [], _per_layer_retention(adapter, config, masks, costs), _mean_shape(masks)
+        masks = _refit(cfg, model, adapter, masks, train, detail)
         pruned = prune_per_layer(model, adapter, masks)
         fmt, why = per_layer_export.choose(pruned)
         pruned = per_layer_export.convert(pruned, fmt)
@@ -205,7 +212,7 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
             f"per block (dense {adapter.dense_shape(config).__dict__}), "
             f"retention {chosen['retain']:.3f} of block parameters"
             + (f", {chosen['retain_budget']:.3f} of predicted latency" if cfg.budget == "latency" else ""))
-
+        masks = _refit(cfg, model, adapter, masks, train, detail)
         pruned = prune(model, adapter, masks)
     with torch.inference_mode(), masked(model, adapter, masks):
         ref = model(held_out[:, :256]).logits
@@ -325,6 +332,20 @@ def _observe_activation(cfg, model, adapter, train: torch.Tensor):
         importance.add_batch(model, w[None])
     importance.remove_hooks()
     return importance, {"tokens": stats.numel()}
+
+
+def _refit(cfg, model, adapter, masks, train: torch.Tensor, detail: dict):
+    """--refit: the kept o_proj / down_proj columns refitted by least squares (optimizer/refit.py)
+    on the calibration windows; the method's masks unchanged otherwise."""
+    if not cfg.refit:
+        return masks
+    from optimizer.refit import refit_masks
+    started, windows = time.time(), train[: cfg.calib_windows]
+    masks = refit_masks(model, adapter, masks, windows, damp=cfg.refit_damp)
+    detail["refit"] = {"tokens": windows.numel(), "damp": cfg.refit_damp, "wall_s": round(time.time() - started, 1)}
+    cfg.log(f"refit: o_proj / down_proj kept columns refitted on {windows.numel()} tokens "
+            f"in {detail['refit']['wall_s']:.0f} s")
+    return masks
 
 
 def _choose_uniform(cfg, model, adapter, method, held_out: torch.Tensor, costs, candidates=None):

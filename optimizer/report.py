@@ -24,6 +24,8 @@ def render(m: dict) -> str:
         f"- parameters: {size['params_dense']:,} → {size['params_pruned']:,} "
         f"(ideal speedup from bytes: {size['ideal_ratio']:.2f}x)",
         f"- calibration: {meth['calibration']['source']}, {meth['calibration']['tokens']:,} tokens",
+        *([f"- refit: the kept o_proj / down_proj columns were refitted by least squares on "
+           f"{meth['refit']['tokens']:,} calibration tokens (ridge {meth['refit']['damp']:g})"] if "refit" in meth else []),
         "",
         "## Shape per block",
         "",

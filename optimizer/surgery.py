@@ -13,6 +13,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from optimizer.adapters import BlockShape, DecoderAdapter
@@ -24,12 +25,16 @@ class BlockMask:
 
     Optional scales (one per kept head / channel) multiply the unit's output; a learned
     gate's value lands here and surgery folds it into o_proj / down_proj columns.
+    Optional columns ([out, kept inputs], from `optimizer.refit`) replace the kept columns of
+    o_proj / down_proj outright (scales already folded in); surgery writes them as they are.
     """
     heads: list[int]
     kv_heads: list[int]
     channels: list[int]
     head_scale: list[float] | None = None
     channel_scale: list[float] | None = None
+    o_proj_columns: torch.Tensor | None = None
+    down_columns: torch.Tensor | None = None
 
     def shape(self) -> BlockShape:
         return BlockShape(len(self.heads), len(self.kv_heads), len(self.channels))
@@ -82,28 +87,43 @@ def _scale(values: list[float] | None, repeat: int, like: torch.Tensor) -> torch
 @contextlib.contextmanager
 def masked(model, adapter: DecoderAdapter, masks: Masks):
     """Within the block, removed heads and channels contribute nothing; weights untouched."""
-    config = model.config
+    with contextlib.ExitStack() as stack:
+        for block, bm in zip(adapter.blocks(model), masks.blocks):
+            stack.enter_context(block_hooks(block, adapter, model.config, bm))
+        yield model
+
+
+@contextlib.contextmanager
+def block_hooks(block, adapter: DecoderAdapter, config, bm: BlockMask):
+    """`masked` for one block: hooks scale the inputs of o_proj and down_proj per unit, or,
+    where the mask carries refitted columns, compute the projection from the kept inputs."""
     dense = adapter.dense_shape(config)
     d = adapter.head_dim(config)
+    o_proj, down = adapter.attention(block)[3], adapter.mlp(block)[2]
     handles = []
 
     def scale_input(vec):
         return lambda _mod, args: (args[0] * vec.to(args[0].dtype),) + tuple(args[1:])
 
+    def kept_columns_only(keep, columns):
+        return lambda mod, args, _out: F.linear(args[0][..., keep], columns.to(args[0].dtype), mod.bias)
+
     try:
-        for block, bm in zip(adapter.blocks(model), masks.blocks):
-            o_proj, down = adapter.attention(block)[3], adapter.mlp(block)[2]
-            head_vec = _unit_mask(dense.num_heads, bm.heads, bm.head_scale, d, o_proj.weight)
-            chan_vec = _unit_mask(dense.intermediate_size, bm.channels, bm.channel_scale, 1, down.weight)
-            handles.append(o_proj.register_forward_pre_hook(scale_input(head_vec)))
-            handles.append(down.register_forward_pre_hook(scale_input(chan_vec)))
-        yield model
+        for lin, units, scale, columns, n, size in (
+                (o_proj, bm.heads, bm.head_scale, bm.o_proj_columns, dense.num_heads, d),
+                (down, bm.channels, bm.channel_scale, bm.down_columns, dense.intermediate_size, 1)):
+            if columns is None:
+                handles.append(lin.register_forward_pre_hook(scale_input(_unit_mask(n, units, scale, size, lin.weight))))
+            else:
+                handles.append(lin.register_forward_hook(kept_columns_only(unit_columns(units, size), columns)))
+        yield block
     finally:
         for h in handles:
             h.remove()
 
 
-def _rows(units: list[int], size: int) -> torch.Tensor:
+def unit_columns(units: list[int], size: int) -> torch.Tensor:
+    """Indices of these units' rows (or columns) when each unit spans `size` of them."""
     return (torch.tensor(units)[:, None] * size + torch.arange(size)).flatten()
 
 
@@ -203,12 +223,13 @@ def _sliced_state_dict(model, adapter: DecoderAdapter, masks: Masks) -> dict:
         gate, up, down = adapter.mlp(block)
         blk = modules[id(block)]
         if bm.heads:
-            q_rows, kv_rows = _rows(bm.heads, d), _rows(bm.kv_heads, d)
+            q_rows, kv_rows = unit_columns(bm.heads, d), unit_columns(bm.kv_heads, d)
             for lin, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows)):
                 sd[name(lin)] = lin.weight.data[rows].clone()
                 if lin.bias is not None:
                     sd[name(lin, "bias")] = lin.bias.data[rows].clone()
-            sd[name(o)] = o.weight.data[:, q_rows] * _scale(bm.head_scale, d, o.weight)
+            sd[name(o)] = (o.weight.data[:, q_rows] * _scale(bm.head_scale, d, o.weight)
+                           if bm.o_proj_columns is None else bm.o_proj_columns.to(o.weight.dtype).clone())
         else:  # all four families name these modules the same way (see the model classes)
             if o.bias is not None:
                 raise ValueError(f"{blk}: o_proj has a bias, so removing the whole attention block is not exact")
@@ -220,7 +241,8 @@ def _sliced_state_dict(model, adapter: DecoderAdapter, masks: Masks) -> dict:
                 sd[name(lin)] = lin.weight.data[chans].clone()
                 if lin.bias is not None:
                     sd[name(lin, "bias")] = lin.bias.data[chans].clone()
-            sd[name(down)] = down.weight.data[:, chans] * _scale(bm.channel_scale, 1, down.weight)
+            sd[name(down)] = (down.weight.data[:, chans] * _scale(bm.channel_scale, 1, down.weight)
+                              if bm.down_columns is None else bm.down_columns.to(down.weight.dtype).clone())
         else:
             if down.bias is not None:
                 raise ValueError(f"{blk}: down_proj has a bias, so removing the whole MLP is not exact")

@@ -1,0 +1,110 @@
+"""--refit: least-squares refit of the kept o_proj / down_proj columns (optimizer/refit.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimizer.adapters import BlockShape, get_adapter
+from optimizer.refit import refit_masks
+from optimizer.surgery import BlockMask, Masks, masked, prune, prune_per_layer
+from tests.conftest import FAMILIES, tiny_model
+from tests.test_per_layer import CASES
+from tests.test_surgery import _importance
+
+
+def _windows(n=3, seq=32, seed=3):
+    return torch.randint(0, 512, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_keeping_every_unit_gives_back_the_original_weights():
+    """With nothing removed and no scales, the least-squares answer is W itself, whatever the ridge."""
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    everything = BlockMask(list(range(8)), [0, 1], list(range(96)))
+    refitted = refit_masks(model, adapter, Masks([everything] * 2), _windows(), damp=0.5)
+    for block, bm in zip(adapter.blocks(model), refitted.blocks):
+        torch.testing.assert_close(bm.o_proj_columns, adapter.attention(block)[3].weight, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(bm.down_columns, adapter.mlp(block)[2].weight, atol=1e-5, rtol=1e-4)
+
+
+def test_the_refit_reproduces_the_unpruned_projection_better():
+    """Block 0 sees the same calibration inputs either way, so there the refitted o_proj must
+    come closer to the unpruned o_proj's output than the masked one (the ridge objective's
+    minimum is at most its value at the masked weights)."""
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    masks = _importance(model, adapter).decide(BlockShape(4, 2, 40))
+    masks.blocks[0].head_scale = [0.9, 1.1, 1.0, 0.8]  # a DDP-like scale, folded into the target's start
+    windows = _windows()
+    refitted = refit_masks(model, adapter, masks, windows)
+    block0 = adapter.blocks(model)[0]
+    o_proj = adapter.attention(block0)[3]
+    captured = {}
+    handle = o_proj.register_forward_hook(lambda _m, _a, y: captured.__setitem__("y", y))
+    errors = {}
+    try:
+        with torch.inference_mode():
+            model(windows)
+            dense = captured["y"]
+            for name, m in (("masked", masks), ("refit", refitted)):
+                with masked(model, adapter, m):
+                    model(windows)
+                errors[name] = (captured["y"] - dense).pow(2).sum().item()
+    finally:
+        handle.remove()
+    assert errors["refit"] < 0.9 * errors["masked"], errors
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_refitted_masked_model_equals_the_pruned_one(family):
+    model = tiny_model(family)
+    adapter = get_adapter(model.config)
+    masks = refit_masks(model, adapter, _importance(model, adapter).decide(BlockShape(4, 1, 40)), _windows())
+    x = _windows(2, 24, seed=7)
+    with torch.inference_mode():
+        plain = model(x).logits
+        with masked(model, adapter, masks):
+            ref = model(x).logits
+        got = prune(model, adapter, masks)(x).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():  # the hooks are gone and the source model untouched
+        torch.testing.assert_close(model(x).logits, plain)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_refitted_per_layer_masks_equal_the_pruned_model(case):
+    """Per-layer shapes, learned scales and removed attention / MLP blocks (nothing to refit there)."""
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    masks = refit_masks(model, adapter, Masks(CASES[case]), _windows())
+    for bm in masks.blocks:
+        assert (bm.o_proj_columns is None) == (not bm.heads) and (bm.down_columns is None) == (not bm.channels)
+        assert bm.head_scale is None and bm.channel_scale is None  # folded into the columns
+    x = _windows(2, 20, seed=5)
+    with torch.inference_mode():
+        with masked(model, adapter, masks):
+            ref = model(x).logits
+        got = prune_per_layer(model, adapter, masks)(x).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_optimize_with_refit_writes_a_package_that_matches_its_masked_model(tiny_dirs, text_file, tmp_path):
+    """The pipeline's own check (masked == pruned) runs on the refitted masks; the manifest and
+    the report say the weights were refitted; --refit is refused where it does not apply."""
+    from optimizer.errors import UserError
+    from optimizer.pipeline import OptimizeConfig, optimize
+    common = dict(model=str(tiny_dirs["llama"]), target="a100", calib=str(text_file), eval=str(text_file),
+                  calib_windows=2, eval_windows=1, seq_len=64, log=lambda *_: None)
+    plain = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "plain"), **common))
+    res = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "refit"), refit=True, **common))
+    m = res["manifest"]
+    assert m["method"]["refit"]["tokens"] == 2 * 64
+    assert m["checks"]["masked_vs_pruned_max_abs_logit_diff"] < 1e-3
+    assert m["method"]["shape"] == plain["manifest"]["method"]["shape"]
+    assert m["quality"]["perplexity"]["pruned"] != plain["manifest"]["quality"]["perplexity"]["pruned"]
+    assert "refitted by least squares" in (tmp_path / "refit" / "report.md").read_text()
+    with pytest.raises(UserError, match="--refit applies to structured"):
+        optimize(OptimizeConfig(method="wanda", refit=True, out=str(tmp_path / "no"), **common))
+    with pytest.raises(UserError, match="must be > 0"):
+        optimize(OptimizeConfig(method="activation", refit=True, refit_damp=0.0, out=str(tmp_path / "no"), **common))
