@@ -24,8 +24,12 @@ def render(m: dict) -> str:
         f"- parameters: {size['params_dense']:,} → {size['params_pruned']:,} "
         f"(ideal speedup from bytes: {size['ideal_ratio']:.2f}x)",
         f"- calibration: {meth['calibration']['source']}, {meth['calibration']['tokens']:,} tokens",
-        *([f"- refit: the kept o_proj / down_proj columns were refitted by least squares on "
-           f"{meth['refit']['tokens']:,} calibration tokens (ridge {meth['refit']['damp']:g})"] if "refit" in meth else []),
+        *([(f"- refit: the kept o_proj / down_proj columns were refitted by least squares on "
+            f"{meth['refit']['tokens']:,} calibration tokens (ridge {meth['refit']['damp']:g})")
+           if meth["refit"]["applied"] else
+           ("- refit: tried and not applied (it raised the held-out calibration loss "
+            f"{meth['refit']['held_out_loss_before']:.4f} → {meth['refit']['held_out_loss_after']:.4f})")]
+          if "refit" in meth else []),
         "",
         "## Shape per block",
         "",

@@ -91,20 +91,45 @@ def test_refitted_per_layer_masks_equal_the_pruned_model(case):
 
 def test_optimize_with_refit_writes_a_package_that_matches_its_masked_model(tiny_dirs, text_file, tmp_path):
     """The pipeline's own check (masked == pruned) runs on the refitted masks; the manifest and
-    the report say the weights were refitted; --refit is refused where it does not apply."""
+    the report say what the refit did; --refit is refused where it does not apply."""
     from optimizer.errors import UserError
     from optimizer.pipeline import OptimizeConfig, optimize
     common = dict(model=str(tiny_dirs["llama"]), target="a100", calib=str(text_file), eval=str(text_file),
-                  calib_windows=2, eval_windows=1, seq_len=64, log=lambda *_: None)
+                  calib_windows=8, eval_windows=1, seq_len=128, log=lambda *_: None)
     plain = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "plain"), **common))
     res = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "refit"), refit=True, **common))
-    m = res["manifest"]
-    assert m["method"]["refit"]["tokens"] == 2 * 64
+    m, r = res["manifest"], res["manifest"]["method"]["refit"]
+    # A random tiny model sits at chance (loss ≈ ln vocab), so whether the refit helps it is
+    # noise; the applied path's equivalence is tested above, the guard's refusal below.
+    assert r["tokens"] == 8 * 128 and {"held_out_loss_before", "held_out_loss_after", "applied"} <= set(r)
     assert m["checks"]["masked_vs_pruned_max_abs_logit_diff"] < 1e-3
     assert m["method"]["shape"] == plain["manifest"]["method"]["shape"]
-    assert m["quality"]["perplexity"]["pruned"] != plain["manifest"]["quality"]["perplexity"]["pruned"]
-    assert "refitted by least squares" in (tmp_path / "refit" / "report.md").read_text()
+    changed = m["quality"]["perplexity"]["pruned"] != plain["manifest"]["quality"]["perplexity"]["pruned"]
+    assert changed == r["applied"]
+    assert "- refit: " in (tmp_path / "refit" / "report.md").read_text()
     with pytest.raises(UserError, match="--refit applies to structured"):
         optimize(OptimizeConfig(method="wanda", refit=True, out=str(tmp_path / "no"), **common))
     with pytest.raises(UserError, match="must be > 0"):
         optimize(OptimizeConfig(method="activation", refit=True, refit_damp=0.0, out=str(tmp_path / "no"), **common))
+
+
+def test_a_refit_that_raises_the_held_out_loss_is_not_applied(tiny_dirs, text_file, tmp_path, monkeypatch):
+    """The pipeline keeps the refit only if the held-out calibration loss goes down."""
+    import optimizer.refit
+    from optimizer.pipeline import OptimizeConfig, optimize
+
+    def harmful(model, adapter, masks, windows, damp):
+        good = refit_masks(model, adapter, masks, windows, damp)
+        for bm in good.blocks:
+            bm.down_columns = bm.down_columns * 50
+        return good
+
+    monkeypatch.setattr(optimizer.refit, "refit_masks", harmful)
+    common = dict(model=str(tiny_dirs["llama"]), target="a100", calib=str(text_file), eval=str(text_file),
+                  calib_windows=2, eval_windows=1, seq_len=64, method="activation", retain=0.6, log=lambda *_: None)
+    plain = optimize(OptimizeConfig(out=str(tmp_path / "plain"), **common))["manifest"]
+    tried = optimize(OptimizeConfig(out=str(tmp_path / "tried"), refit=True, **common))["manifest"]
+    r = tried["method"]["refit"]
+    assert not r["applied"] and r["held_out_loss_after"] > r["held_out_loss_before"]
+    assert tried["quality"]["perplexity"]["pruned"] == plain["quality"]["perplexity"]["pruned"]
+    assert "tried and not applied" in (tmp_path / "tried" / "report.md").read_text()
