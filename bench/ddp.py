@@ -112,6 +112,7 @@ def main() -> None:
                                    "retain_budget_achieved": m["method"]["retain_budget_achieved"],
                                    "ppl_dense": q["dense"], "ppl": q["pruned"], "excess_ppl": q["pruned"] - q["dense"],
                                    "ideal_ratio": m["size"]["ideal_ratio"], "training": training,
+                                   "refit": m["method"].get("refit"),
                                    "command": protocol["command"]}
             path.write_text(json.dumps(level, indent=2) + "\n")
     results = {"protocol": protocol, "levels": {}}
@@ -143,6 +144,8 @@ def _markdown(results: dict) -> str:
                     else f"{t['wall_s']} s" + (" (re-exported)" if t.get("reexported") else "") if t else "—")
             beta = (f"{t['beta']:g}, {t['steps']} × {t['batch']} × {t['seq_len']}" + (f", {t['dtype']}" if t.get("dtype", "bfloat16") != "bfloat16" else "")
                     if t else "—")
+            if r.get("refit") and not r["refit"]["applied"]:
+                method += " (refit refused: held-out loss rose)"
             lines.append(f"| {retain} | {method} | {beta} | {s['num_heads']:g}/{s['num_kv_heads']:g}/{s['intermediate_size']:g} | "
                          f"{r['retain_achieved']:.3f} | {r['ppl']:.2f} | {r['excess_ppl']:.2f} | {ratio} | "
                          f"{tokens or '—'} | {wall} | {str(t['peak_rss_gib']) + ' GiB' if t else '—'} |")

@@ -339,8 +339,8 @@ def _refit(cfg, model, adapter, masks, train: torch.Tensor, held_out: torch.Tens
     on the calibration windows, kept only if the held-out calibration loss goes down.
 
     The guard is there because the refit can fail: on one uniform DDP export of SmolLM2 at 0.8 it
-    took perplexity from 32.94 to 78.46 (layer 28's down_proj moved by more than its own norm,
-    bench/results/ddp-refit/README.md), though each projection's own error went down."""
+    took perplexity from 32.94 to 78.46 (bench/results/ddp-refit/README.md), though each
+    projection's own error went down."""
     if not cfg.refit:
         return masks
     from optimizer.refit import refit_masks
