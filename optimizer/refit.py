@@ -15,9 +15,13 @@ masked model's own weights. With every unit kept the answer is W itself. Attenti
 before the MLP of the same block, since it changes the MLP's inputs.
 
 The target is local (this projection on the inputs it now sees), not the dense model's stream:
-on SmolLM2 at 0.8 the two differed by under 2% in perplexity, and the local one needs no second
-pass through the dense model. Memory: one block's Gram matrices ([in, in], fp32) and the
+a scratch probe fitting to the dense stream was not clearly better, and the local target needs no
+second pass through the dense model. Memory: one block's Gram matrices ([in, in], fp32) and the
 calibration hidden states, as in `sequential`.
+
+A smaller error for every projection does not guarantee a better model: the refit can also
+reproduce what the method chose to drop. So the pipeline (`pipeline._refit`) keeps it only if the
+held-out calibration loss goes down.
 
 `refit_masks` returns new `Masks` whose blocks carry the refitted columns (scales folded in);
 `surgery.masked` and `surgery.prune` both use them, so the masked model and the exported one
