@@ -34,8 +34,8 @@ import torch
 from tqdm import tqdm
 
 from optimizer.adapters import DecoderAdapter
-from optimizer.sequential import _out, block_inputs
-from optimizer.surgery import BlockMask, Masks, block_hooks, unit_columns
+from optimizer.sequential import _Captured, _out, block_inputs
+from optimizer.surgery import BlockMask, Masks, block_hooks, unit_columns, unit_scale
 
 
 class Refit:
@@ -63,10 +63,18 @@ class Refit:
 
 
 def _observe(block, inputs, kwargs, linear, fit: Refit) -> None:
-    handle = linear.register_forward_pre_hook(lambda _mod, args: fit.add_batch(args[0]))
+    """Feed `linear`'s inputs to `fit`; the rest of the block is not run (its output is unused)."""
+    def grab(_mod, args):
+        fit.add_batch(args[0])
+        raise _Captured
+
+    handle = linear.register_forward_pre_hook(grab)
     try:
         for x in inputs:
-            _out(block, x, kwargs)
+            try:
+                _out(block, x, kwargs)
+            except _Captured:
+                pass
     finally:
         handle.remove()
 
@@ -85,12 +93,11 @@ def refit_masks(model, adapter: DecoderAdapter, masks: Masks, windows: torch.Ten
         o_proj, down = adapter.attention(block)[3], adapter.mlp(block)[2]
         new = BlockMask(bm.heads, bm.kv_heads, bm.channels)
         if bm.heads:
-            scale = 1.0 if bm.head_scale is None else torch.tensor(bm.head_scale).repeat_interleave(d)
-            fit = Refit(o_proj, unit_columns(bm.heads, d), scale)
+            fit = Refit(o_proj, unit_columns(bm.heads, d), unit_scale(bm.head_scale, d, o_proj.weight))
             _observe(block, inputs, kwargs, o_proj, fit)  # the block unpruned: every head's input
             new.o_proj_columns = fit.solve(damp)
         if bm.channels:
-            fit = Refit(down, torch.tensor(bm.channels), 1.0 if bm.channel_scale is None else torch.tensor(bm.channel_scale))
+            fit = Refit(down, torch.tensor(bm.channels), unit_scale(bm.channel_scale, 1, down.weight))
             attention_only = BlockMask(bm.heads, bm.kv_heads, every_channel, o_proj_columns=new.o_proj_columns)
             with block_hooks(block, adapter, config, attention_only):
                 _observe(block, inputs, kwargs, down, fit)

@@ -78,7 +78,8 @@ def _unit_mask(n: int, keep: list[int], scale: list[float] | None, repeat: int, 
     return m.repeat_interleave(repeat)
 
 
-def _scale(values: list[float] | None, repeat: int, like: torch.Tensor) -> torch.Tensor | float:
+def unit_scale(values: list[float] | None, repeat: int, like: torch.Tensor) -> torch.Tensor | float:
+    """Per-column scales from per-unit ones (each unit spans `repeat` columns); 1 if none."""
     if values is None:
         return 1.0
     return torch.tensor(values, dtype=like.dtype).repeat_interleave(repeat)
@@ -228,7 +229,7 @@ def _sliced_state_dict(model, adapter: DecoderAdapter, masks: Masks) -> dict:
                 sd[name(lin)] = lin.weight.data[rows].clone()
                 if lin.bias is not None:
                     sd[name(lin, "bias")] = lin.bias.data[rows].clone()
-            sd[name(o)] = (o.weight.data[:, q_rows] * _scale(bm.head_scale, d, o.weight)
+            sd[name(o)] = (o.weight.data[:, q_rows] * unit_scale(bm.head_scale, d, o.weight)
                            if bm.o_proj_columns is None else bm.o_proj_columns.to(o.weight.dtype).clone())
         else:  # all four families name these modules the same way (see the model classes)
             if o.bias is not None:
@@ -241,7 +242,7 @@ def _sliced_state_dict(model, adapter: DecoderAdapter, masks: Masks) -> dict:
                 sd[name(lin)] = lin.weight.data[chans].clone()
                 if lin.bias is not None:
                     sd[name(lin, "bias")] = lin.bias.data[chans].clone()
-            sd[name(down)] = (down.weight.data[:, chans] * _scale(bm.channel_scale, 1, down.weight)
+            sd[name(down)] = (down.weight.data[:, chans] * unit_scale(bm.channel_scale, 1, down.weight)
                               if bm.down_columns is None else bm.down_columns.to(down.weight.dtype).clone())
         else:
             if down.bias is not None:
