@@ -43,9 +43,6 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="write the result here")
-    ap.add_argument("--rescale", action="store_true",
-                    help="also learn RoI's row and column scales from here on (RoIConfig.rescale)")
-    ap.add_argument("--rescale-lr", type=float, default=RoIConfig.rescale_lr)
     ap.add_argument("--save", help="checkpoint the continued run here (it can be continued again)")
     args = ap.parse_args()
     if not Path(args.checkpoint).is_file():
@@ -65,8 +62,6 @@ def main() -> None:
         raise SystemExit(f"{args.checkpoint}: could not resume")
     if roi.step_count < cfg.steps:
         raise SystemExit(f"{args.checkpoint}: the run stopped at step {roi.step_count} of {cfg.steps}; finish it first")
-    if args.rescale:
-        roi.start_rescale(args.rescale_lr)
 
     def ppl(desc):
         roi.mode = "hard"
@@ -86,7 +81,6 @@ def main() -> None:
         roi.save(args.save)
     result = {"checkpoint": args.checkpoint, "saved": args.save, "steps_done": roi.step_count,
               "pattern": str(sparsity), "schedule_steps": cfg.steps, "tau": roi.tau(), "scale": roi.scale(),
-              "rescale": roi.cfg.rescale, "rescale_lr": roi.cfg.rescale_lr if roi.cfg.rescale else None,
               "calib_windows": args.calib_windows, "eval_windows": args.eval_windows, "threads": args.threads,
               "trace": trace}
     print(json.dumps(result, indent=1))

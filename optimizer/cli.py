@@ -61,9 +61,6 @@ def one_line_errors(fn):
 @click.option("--roi-steps", default=240, show_default=True, help="RoI: mask-training steps (512 tokens each).")
 @click.option("--roi-prior", default="wanda", show_default=True, type=click.Choice(["wanda", "sparsegpt"]),
               help="RoI's one-shot start: SparseGPT's mask and weight update, or Wanda scores.")
-@click.option("--roi-rescale", is_flag=True,
-              help="RoI: also learn a scale per row and per column of each pruned weight with the masks "
-                   "(multiplied into the weights at the end; same N:M checkpoint).")
 @click.option("--calib-dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16"]),
               help="Precision of the one-shot calibration and DDP training passes (statistics, gates and "
                    "losses stay fp32); auto = bf16 where "
@@ -74,7 +71,7 @@ def one_line_errors(fn):
 @one_line_errors
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads, budget, layout, steps, resume, ddp_start, si_steps, roi_steps, roi_prior,
-             roi_rescale, calib_dtype, refit):
+             calib_dtype, refit):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
@@ -88,7 +85,7 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
                        eval_windows=None if eval_windows == "all" else int(eval_windows), seq_len=seq_len,
                        seed=seed, threads=threads, budget=budget, layout=layout, ddp_steps=steps, resume=resume, ddp_start=ddp_start,
                        sparsity=sparsity, si_steps=si_steps, roi_steps=roi_steps, roi_prior=roi_prior,
-                       roi_rescale=roi_rescale, calib_dtype=calib_dtype, refit=refit))
+                       calib_dtype=calib_dtype, refit=refit))
 
 
 @click.command()

@@ -79,7 +79,6 @@ class OptimizeConfig:
     roi_prior: str = "wanda"          # RoI's one-shot start: wanda (one dense pass) | sparsegpt (mask + weight update)
     roi_steps: int = 240              # RoI: mask-training steps of 512 tokens (13–20 s each here on SmolLM2;
                                       # 240 gave 46.14 at 2:4 where 40 gave 51.46, bench/results/sparse-roi-long)
-    roi_rescale: bool = False         # RoI: also learn a scale per row and column of each weight (absorbed)
     calib_dtype: str = "auto"         # one-shot calibration passes: auto (bf16 where native) | float32 | bfloat16
     refit: bool = False               # structured: least-squares refit of the kept o_proj / down_proj columns
     refit_damp: float = 0.1           # its ridge toward the masked weights, × mean diag of the Gram matrix
@@ -114,8 +113,6 @@ def validate(cfg: OptimizeConfig) -> None:
             raise UserError(f"--roi-prior must be 'sparsegpt' or 'wanda', got '{cfg.roi_prior}'")
         if cfg.method == "roi" and not sparsity.parse(cfg.sparsity).is_nm:  # parse raises on a malformed pattern
             raise UserError(f"--method roi learns N:M masks; --sparsity {cfg.sparsity} is unstructured")
-        if cfg.roi_rescale and cfg.method != "roi":
-            raise UserError(f"--roi-rescale is an option of --method roi, not of --method {cfg.method}")
         if cfg.layout != "uniform":
             raise UserError("--layout applies to structured methods; semi-structured pruning keeps every shape")
         if cfg.refit:

@@ -133,7 +133,7 @@ def _train_roi(cfg, model, adapter, windows: torch.Tensor, sparsity: Sparsity, d
 
     from optimizer import load
     from optimizer.pipeline import _batch_indices
-    roi_cfg = RoIConfig(steps=cfg.roi_steps, seed=cfg.seed, rescale=cfg.roi_rescale)
+    roi_cfg = RoIConfig(steps=cfg.roi_steps, seed=cfg.seed)
     seq = 512 if windows.shape[1] % 512 == 0 else windows.shape[1]
     chunks = windows.reshape(-1, seq)
     t0 = time.time()
@@ -155,9 +155,7 @@ def _train_roi(cfg, model, adapter, windows: torch.Tensor, sparsity: Sparsity, d
     roi = RoI(model, adapter, sparsity, roi_cfg)
     roi.init_from_scores(prior)
     del prior
-    # The rescale fields enter the key only when on, so checkpoints from before they existed stay valid.
-    keyed = {k: v for k, v in vars(roi_cfg).items() if roi_cfg.rescale or not k.startswith("rescale")}
-    key = hashlib.sha256(json.dumps([str(model.config._name_or_path), str(sparsity), keyed, seq, cfg.roi_prior,
+    key = hashlib.sha256(json.dumps([str(model.config._name_or_path), str(sparsity), vars(roi_cfg), seq, cfg.roi_prior,
                                      windows[:, :64].tolist()], default=str).encode()).hexdigest()[:16]
     ckpt = load.cache_dir() / "runs" / f"roi-{key}.pt"
     resumed_from = roi.step_count if (cfg.resume and roi.load(ckpt)) else 0

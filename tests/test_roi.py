@@ -124,48 +124,6 @@ def test_steps_reduce_kd_loss_and_apply_complies():
     assert any(not torch.equal(k[name], sp.mask(s[name])) for k, s in zip(masks, prior) for name in k)
 
 
-def test_rescale_trains_and_apply_ships_the_hard_mask_model_exactly():
-    # The scales start at 1 (model unchanged), move under the KD loss, and `apply` multiplies
-    # them into the weights: the pruned model gives the logits of the hard-mask student.
-    model, adapter, roi, _, data = _roi(2, 4, steps=8, lr=0.1, rescale=True, rescale_lr=0.05)
-    roi.mode = "hard"
-    with torch.no_grad():
-        plain = model(data[:2]).logits
-    roi.mode = "sample"
-    before = roi.eval_loss(data[:4])
-    for i in range(8):
-        roi.step(data[(2 * i) % 4:(2 * i) % 4 + 2])
-    assert roi.eval_loss(data[:4]) < before
-    assert any(not torch.equal(r, torch.ones_like(r)) for d in roi.rows for r in d.values())
-    roi.mode = "hard"
-    with torch.no_grad():
-        student = model(data[:2]).logits
-    assert not torch.allclose(student, plain)
-    roi.apply()
-    with torch.no_grad():
-        pruned = model(data[:2]).logits
-    torch.testing.assert_close(pruned, student, rtol=1e-5, atol=1e-5)
-    sp = Sparsity(n=2, m=4)
-    assert all(sp.complies(lin.weight) for b in adapter.blocks(model) for lin in adapter.linears(b).values())
-
-
-def test_a_mask_only_checkpoint_continues_with_rescale(tmp_path):
-    _, _, a, _, data = _roi(2, 4, steps=3)
-    for i in range(3):
-        a.step(data[2 * i:2 * i + 2])
-    a.save(tmp_path / "roi.pt")
-    model, _, b, _, _ = _roi(2, 4, steps=3)
-    assert b.load(tmp_path / "roi.pt")
-    b.start_rescale(0.05)
-    assert b.cfg.rescale and b.cfg.rescale_lr == 0.05
-    b.step(data[:2])
-    b.save(tmp_path / "rescaled.pt")
-    _, _, c, _, _ = _roi(2, 4, steps=3, rescale=True, rescale_lr=0.05)
-    assert c.load(tmp_path / "rescaled.pt") and c.step_count == 4
-    for ours, theirs in ((b.rows, c.rows), (b.cols, c.cols)):
-        assert all(torch.equal(d1[k], d2[k]) for d1, d2 in zip(ours, theirs) for k in d1)
-
-
 def test_save_load_resume_is_identical(tmp_path):
     _, _, a, _, data = _roi(2, 4, steps=6)
     for i in range(6):

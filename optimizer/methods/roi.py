@@ -40,13 +40,6 @@ Masks act through a torch parametrization on each Linear's `weight` (weight = W 
 the forward; the frozen W is not copied). Modes: "off" (dense teacher), "sample" (training),
 "hard" (deterministic top-N of φ, to evaluate the learned mask before `apply`).
 
-Rescale (`rescale=True`, beyond the paper): with frozen weights a mask can only choose what to
-drop; the kept weights cannot make up for the mass removed with their neighbours. A scale per
-output row r and per input column c of every prunable weight, trained by the same KD loss,
-lets each layer re-balance: the student's weight is (diag(r)·W·diag(c)) ⊙ mask, which equals
-diag(r)·(W ⊙ mask)·diag(c), so `apply` multiplies them into W and the package is an ordinary
-N:M checkpoint of the same shapes. O(d_in + d_out) numbers per weight, next to φ's d_in·d_out.
-
 Memory: φ is fp32, one per prunable weight, plus Adam's two moments: 3× the prunable fp32
 weights (SmolLM2-135M: 106M → 0.42 GB + 0.85 GB). φ could be kept in bf16 later (its range
 is small and only its per-group order matters at export), halving the logits; keep the Adam
@@ -87,10 +80,6 @@ class RoIConfig:
                                 # the large weights (far fewer passes over memory; same forward;
                                 # the compiler picks what to keep for the backward)
     seed: int = 0
-    rescale: bool = False       # also learn a scale per output row and per input column of each
-                                # weight, diag(r)·W·diag(c): exactly absorbable into W at apply,
-                                # keeps every zero a zero (module doc, "Rescale")
-    rescale_lr: float = 2e-3    # Adam on r and c (start at 1); a separate optimiser from φ's
 
 
 # --- the relaxation ---------------------------------------------------------------------------
@@ -268,43 +257,17 @@ class RoI:
             self.phi.append(d)
         self.params = [p for d in self.phi for p in d.values()]
         self.opt = torch.optim.Adam(self.params, lr=cfg.lr)
-        self.rows: list[dict[str, nn.Parameter]] | None = None  # rescale: r and c per Linear
-        self.cols: list[dict[str, nn.Parameter]] | None = None
-        if cfg.rescale:
-            self.start_rescale()
         self.gen = torch.Generator(device=self.params[0].device).manual_seed(cfg.seed)
         for i, lins in enumerate(self.linears):
             for name, lin in lins.items():
                 parametrize.register_parametrization(lin, "weight", _Mask(self, i, name), unsafe=True)
         self._attached = True
 
-    def start_rescale(self, lr: float | None = None) -> None:
-        """Learn row and column scales from here on (at 1: the model is unchanged). Called by
-        __init__ for `cfg.rescale`, or after `load` to continue a mask-only run with them."""
-        if self.rows is not None:
-            return
-        if lr is not None or not self.cfg.rescale:
-            self.cfg = RoIConfig(**{**asdict(self.cfg), "rescale": True,
-                                    "rescale_lr": self.cfg.rescale_lr if lr is None else lr})
-        # φ's shape and device (reading lin.weight here would run the mask parametrization)
-        ones = lambda n, phi: nn.Parameter(torch.ones(n, dtype=torch.float32, device=phi.device))  # noqa: E731
-        self.rows = [{name: ones(phi.shape[0], phi) for name, phi in d.items()} for d in self.phi]
-        self.cols = [{name: ones(phi.shape[1], phi) for name, phi in d.items()} for d in self.phi]
-        self.rescale_opt = torch.optim.Adam([p for ds in (self.rows, self.cols) for d in ds for p in d.values()],
-                                            lr=self.cfg.rescale_lr)
-
-    def _rescaled(self, block: int, name: str, w: torch.Tensor) -> torch.Tensor:
-        if self.rows is None:
-            return w
-        r, c = self.rows[block][name], self.cols[block][name]
-        return w * (r[:, None] * c[None, :]).to(w.dtype)
-
     # --- masks in the forward --------------------------------------------------------------------
     def _masked(self, block: int, name: str, w: torch.Tensor) -> torch.Tensor:
         if self.mode == "off":
             return w
         phi = self.phi[block][name]
-        w = self._rescaled(block, name, w)
         if self.mode == "hard":
             return w * self.sparsity.mask(phi.detach()).to(w.dtype)
         if self._noise is None:
@@ -358,14 +321,10 @@ class RoI:
         try:
             loss = self.kd_loss(input_ids)
             self.opt.zero_grad(set_to_none=True)
-            if self.rows is not None:
-                self.rescale_opt.zero_grad(set_to_none=True)
             loss.backward()
         finally:
             self._noise = None
         self.opt.step()
-        if self.rows is not None:
-            self.rescale_opt.step()
         self.step_count += 1
         return {"loss": loss.item(), "tau": tau, "scale": scale, "step": self.step_count}
 
@@ -397,46 +356,35 @@ class RoI:
 
     @torch.no_grad()
     def apply(self) -> list[dict[str, torch.Tensor]]:
-        """Zero the pruned weights in place (and absorb the rescale), remove the parametrizations;
-        returns the masks."""
+        """Zero the pruned weights in place, remove the parametrizations; returns the masks."""
         masks = self.decide()
         self.remove()
-        for i, (lins, keep) in enumerate(zip(self.linears, masks)):
+        for lins, keep in zip(self.linears, masks):
             for name, lin in lins.items():
-                lin.weight.copy_(self._rescaled(i, name, lin.weight) * keep[name].to(lin.weight))
+                lin.weight.mul_(keep[name].to(lin.weight.device))
         return masks
 
     # --- memory figure ---------------------------------------------------------------------------------
     def state_bytes(self) -> dict:
-        """Trainable-state bytes (φ, the rescale's r and c if on, and their Adam moments) and
-        their ratio to the model's bytes. Adam's moments are allocated at the first step; before
-        that they are projected."""
+        """Trainable-state bytes (φ + Adam moments) and their ratio to the model's bytes.
+        Adam's moments are allocated at the first step; before that they are projected."""
         logits = sum(p.numel() * p.element_size() for p in self.params)
-        scales = 0 if self.rows is None else sum(p.numel() * p.element_size()
-                                                 for ds in (self.rows, self.cols) for d in ds for p in d.values())
         st = [self.opt.state.get(p, {}) for p in self.params]
         adam = sum(v.numel() * v.element_size() for s in st for k, v in s.items()
                    if torch.is_tensor(v) and k in ("exp_avg", "exp_avg_sq"))
         if adam == 0:
             adam = 2 * logits
-        adam += 2 * scales
-        total = logits + scales + adam
         model = sum(p.numel() * p.element_size() for p in self.model.parameters())
         prunable = sum(p.numel() for p in self.params)
-        return {"logits": logits, "scales": scales, "adam": adam, "total": total, "model": model,
-                "ratio": total / model, "logits_per_prunable_weight": logits / prunable / 4,
+        return {"logits": logits, "adam": adam, "total": logits + adam, "model": model,
+                "ratio": (logits + adam) / model, "logits_per_prunable_weight": logits / prunable / 4,
                 "prunable_weights": prunable}
 
     # --- checkpoint / resume ---------------------------------------------------------------------------
     def state(self) -> dict:
-        state = {"phi": [{k: v.detach().cpu() for k, v in d.items()} for d in self.phi],
-                 "opt": self.opt.state_dict(), "step": self.step_count, "config": asdict(self.cfg),
-                 "sparsity": str(self.sparsity), "gen": self.gen.get_state()}
-        if self.rows is not None:
-            state["rescale"] = {"rows": [{k: v.detach().cpu() for k, v in d.items()} for d in self.rows],
-                                "cols": [{k: v.detach().cpu() for k, v in d.items()} for d in self.cols],
-                                "opt": self.rescale_opt.state_dict()}
-        return state
+        return {"phi": [{k: v.detach().cpu() for k, v in d.items()} for d in self.phi],
+                "opt": self.opt.state_dict(), "step": self.step_count, "config": asdict(self.cfg),
+                "sparsity": str(self.sparsity), "gen": self.gen.get_state()}
 
     def save(self, path: Path | str) -> None:
         path = Path(path)
@@ -451,8 +399,7 @@ class RoI:
         if not path.is_file():
             return False
         state = torch.load(path, weights_only=False)
-        saved = {**asdict(RoIConfig()), **state["config"]}  # a field added later: at its default
-        if saved != asdict(self.cfg) or state["sparsity"] != str(self.sparsity):
+        if state["config"] != asdict(self.cfg) or state["sparsity"] != str(self.sparsity):
             return False
         with torch.no_grad():
             for d, s in zip(self.phi, state["phi"]):
@@ -461,13 +408,6 @@ class RoI:
         self.opt.load_state_dict(state["opt"])
         self.step_count = state["step"]
         self.gen.set_state(state["gen"])
-        if "rescale" in state:
-            with torch.no_grad():
-                for ours, theirs in ((self.rows, state["rescale"]["rows"]), (self.cols, state["rescale"]["cols"])):
-                    for d, s in zip(ours, theirs):
-                        for name, p in d.items():
-                            p.copy_(s[name])
-            self.rescale_opt.load_state_dict(state["rescale"]["opt"])
         return True
 
 
