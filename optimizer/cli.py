@@ -58,7 +58,9 @@ def one_line_errors(fn):
 @click.option("--ddp-start", default="baseline", show_default=True, type=click.Choice(["baseline", "dense"]),
               help="DDP gates start at the one-shot baseline's selection (refined from there), or dense (the paper's).")
 @click.option("--si-steps", default=20, show_default=True, help="SI: optimisation steps per block.")
-@click.option("--roi-steps", default=240, show_default=True, help="RoI: mask-training steps (512 tokens each).")
+@click.option("--roi-steps", default=240, show_default=True, help="RoI: mask-training steps (--roi-seq-len tokens each).")
+@click.option("--roi-seq-len", default=512, show_default=True,
+              help="RoI: tokens per step, a chunk of a calibration window (the whole window if it does not divide --seq-len).")
 @click.option("--roi-prior", default="wanda", show_default=True, type=click.Choice(["wanda", "sparsegpt"]),
               help="RoI's one-shot start: SparseGPT's mask and weight update, or Wanda scores.")
 @click.option("--calib-dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16"]),
@@ -70,8 +72,8 @@ def one_line_errors(fn):
                    "calibration windows, so they make up for what was removed (weights change; same shapes).")
 @one_line_errors
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
-             eval_windows, seq_len, seed, threads, budget, layout, steps, resume, ddp_start, si_steps, roi_steps, roi_prior,
-             calib_dtype, refit):
+             eval_windows, seq_len, seed, threads, budget, layout, steps, resume, ddp_start, si_steps, roi_steps, roi_seq_len,
+             roi_prior, calib_dtype, refit):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
@@ -84,7 +86,7 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
                        out=out, format=fmt, onnx_dtype=onnx_dtype, dry_run=dry_run, engine_version=engine_version, calib_windows=calib_windows,
                        eval_windows=None if eval_windows == "all" else int(eval_windows), seq_len=seq_len,
                        seed=seed, threads=threads, budget=budget, layout=layout, ddp_steps=steps, resume=resume, ddp_start=ddp_start,
-                       sparsity=sparsity, si_steps=si_steps, roi_steps=roi_steps, roi_prior=roi_prior,
+                       sparsity=sparsity, si_steps=si_steps, roi_steps=roi_steps, roi_seq_len=roi_seq_len, roi_prior=roi_prior,
                        calib_dtype=calib_dtype, refit=refit))
 
 

@@ -79,6 +79,8 @@ class OptimizeConfig:
     roi_prior: str = "wanda"          # RoI's one-shot start: wanda (one dense pass) | sparsegpt (mask + weight update)
     roi_steps: int = 240              # RoI: mask-training steps of 512 tokens (13–20 s each here on SmolLM2;
                                       # 240 gave 46.14 at 2:4 where 40 gave 51.46, bench/results/sparse-roi-long)
+    roi_seq_len: int = 512            # RoI: tokens per step (one chunk of a calibration window; the whole
+                                      # window where this does not divide --seq-len)
     calib_dtype: str = "auto"         # one-shot calibration passes: auto (bf16 where native) | float32 | bfloat16
     refit: bool = False               # structured: least-squares refit of the kept o_proj / down_proj columns
     refit_damp: float = 0.1           # its ridge toward the masked weights, × mean diag of the Gram matrix
@@ -111,6 +113,8 @@ def validate(cfg: OptimizeConfig) -> None:
     if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":
         if cfg.roi_prior not in ("sparsegpt", "wanda"):
             raise UserError(f"--roi-prior must be 'sparsegpt' or 'wanda', got '{cfg.roi_prior}'")
+        if cfg.roi_seq_len < 16:
+            raise UserError(f"--roi-seq-len must be >= 16, got {cfg.roi_seq_len}")
         if cfg.method == "roi" and not sparsity.parse(cfg.sparsity).is_nm:  # parse raises on a malformed pattern
             raise UserError(f"--method roi learns N:M masks; --sparsity {cfg.sparsity} is unstructured")
         if cfg.layout != "uniform":

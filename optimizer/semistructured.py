@@ -116,8 +116,8 @@ def prune(cfg, method: str, model, adapter, windows: torch.Tensor, sparsity: Spa
 
 
 def _train_roi(cfg, model, adapter, windows: torch.Tensor, sparsity: Sparsity, dtype: torch.dtype) -> dict:
-    """A one-shot prior, then cfg.roi_steps of mask training on 512-token chunks of the
-    calibration windows (checkpointed every cfg.checkpoint_every steps; --resume).
+    """A one-shot prior, then cfg.roi_steps of mask training on cfg.roi_seq_len-token chunks of
+    the calibration windows (checkpointed every cfg.checkpoint_every steps; --resume).
 
     Priors (cfg.roi_prior):
       wanda      Wanda scores from one dense pass; the frozen weights are the original ones.
@@ -134,7 +134,7 @@ def _train_roi(cfg, model, adapter, windows: torch.Tensor, sparsity: Sparsity, d
     from optimizer import load
     from optimizer.pipeline import _batch_indices
     roi_cfg = RoIConfig(steps=cfg.roi_steps, seed=cfg.seed)
-    seq = 512 if windows.shape[1] % 512 == 0 else windows.shape[1]
+    seq = cfg.roi_seq_len if windows.shape[1] % cfg.roi_seq_len == 0 else windows.shape[1]
     chunks = windows.reshape(-1, seq)
     t0 = time.time()
     if cfg.roi_prior == "sparsegpt":

@@ -282,6 +282,15 @@ def test_roi_from_the_sparsegpt_prior_starts_exactly_at_sparsegpt(tiny_dirs, tex
                   tmp_path)
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "w" / "manifest.json").read_text())["method"]["roi"]["prior"] == "wanda"
+    # tokens per step: a chunk of each window when it divides the window, else the whole window
+    for roi_seq, window, used in (("32", "64", 32), ("48", "64", 64)):
+        r = _optimize([*common, "--method", "roi", "--roi-steps", "2", "--roi-seq-len", roi_seq, "--seq-len", window,
+                       "-o", str(tmp_path / f"q{roi_seq}")], tmp_path)
+        assert r.exit_code == 0, r.output
+        roi = json.loads((tmp_path / f"q{roi_seq}" / "manifest.json").read_text())["method"]["roi"]
+        assert roi["seq_len"] == used and roi["tokens"] == 2 * used
+    r = _optimize([*common, "--method", "roi", "--roi-seq-len", "8", "-o", str(tmp_path / "bad")], tmp_path)
+    assert r.exit_code == 2 and "--roi-seq-len" in r.output and not (tmp_path / "bad").exists()
 
 
 def _textbook_sparsegpt(W: torch.Tensor, H: torch.Tensor, sparsity: Sparsity, damp=0.01) -> torch.Tensor:
