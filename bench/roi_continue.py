@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--calib-windows", type=int, default=32)
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=512, choices=[256, 512, 1024, 2048],
+                    help="tokens per step: the run's --roi-seq-len (the checkpoint does not record it)")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--save", help="checkpoint the continued run here (it can be continued again)")
     args = ap.parse_args()
@@ -55,7 +57,7 @@ def main() -> None:
     del state
     model, tok = load.load_model(load.resolve(None))
     text = lambda name: data.read_text_file(Path(args.data) / name).text  # noqa: E731
-    chunks = data.token_windows(tok, text("wikitext2-valid.txt"), 2048, args.calib_windows).reshape(-1, 512)
+    chunks = data.token_windows(tok, text("wikitext2-valid.txt"), 2048, args.calib_windows).reshape(-1, args.seq_len)
     test = data.token_windows(tok, text("wikitext2-raw-test.txt"), 2048, args.eval_windows)
     roi = RoI(model, get_adapter(model.config), sparsity, cfg)
     if not roi.load(args.checkpoint):

@@ -54,9 +54,10 @@ def main() -> None:
     ap.add_argument("--calib-windows", type=int, default=32)
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--roi-steps", type=int, default=240)
-    ap.add_argument("--roi-seq-len", type=int, default=512, help="RoI: tokens per step (optimize --roi-seq-len)")
+    ap.add_argument("--roi-steps", type=int, default=120)
+    ap.add_argument("--roi-seq-len", type=int, default=2048, help="RoI: tokens per step (optimize --roi-seq-len)")
     ap.add_argument("--si-steps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0, help="optimize --seed (RoI: its noise and data order)")
     ap.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="our calibration passes (optimize --calib-dtype); the peer runs fp32 as it ships")
     ap.add_argument("--no-peer", action="store_true", help="skip llm-compressor")
@@ -98,7 +99,7 @@ def main() -> None:
                                    args.eval_windows)
     results["protocol"] = {"model": source.description, "calib_windows": args.calib_windows, "seq_len": 2048,
                            "eval_windows": args.eval_windows, "threads": args.threads, "roi_steps": args.roi_steps,
-                           "roi_seq_len": args.roi_seq_len,
+                           "roi_seq_len": args.roi_seq_len, "seed": args.seed,
                            "si_steps": args.si_steps, "calib_dtype": args.calib_dtype, "command": " ".join(sys.argv)}
     results["dense_ppl"] = _dense_perplexity(model, evalw, source)
     if not (args.reuse and "si_fast_update" in results):
@@ -125,7 +126,7 @@ def main() -> None:
                                     calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
                                     calib_windows=args.calib_windows, eval_windows=args.eval_windows,
                                     threads=args.threads, si_steps=args.si_steps, roi_steps=args.roi_steps,
-                                    roi_seq_len=args.roi_seq_len, out=str(pkg),
+                                    roi_seq_len=args.roi_seq_len, seed=args.seed, out=str(pkg),
                                     calib_dtype=dtype or args.calib_dtype,
                                     log=lambda *a: print(*a, flush=True)))
         m = r["manifest"]["method"]

@@ -58,8 +58,8 @@ def one_line_errors(fn):
 @click.option("--ddp-start", default="baseline", show_default=True, type=click.Choice(["baseline", "dense"]),
               help="DDP gates start at the one-shot baseline's selection (refined from there), or dense (the paper's).")
 @click.option("--si-steps", default=20, show_default=True, help="SI: optimisation steps per block.")
-@click.option("--roi-steps", default=240, show_default=True, help="RoI: mask-training steps (--roi-seq-len tokens each).")
-@click.option("--roi-seq-len", default=512, show_default=True,
+@click.option("--roi-steps", default=120, show_default=True, help="RoI: mask-training steps (--roi-seq-len tokens each).")
+@click.option("--roi-seq-len", default=2048, show_default=True,
               help="RoI: tokens per step, a chunk of a calibration window (the whole window if it does not divide --seq-len).")
 @click.option("--roi-prior", default="wanda", show_default=True, type=click.Choice(["wanda", "sparsegpt"]),
               help="RoI's one-shot start: SparseGPT's mask and weight update, or Wanda scores.")
