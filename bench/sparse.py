@@ -54,10 +54,11 @@ def main() -> None:
     ap.add_argument("--calib-windows", type=int, default=32)
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--roi-steps", type=int, default=120)
-    ap.add_argument("--roi-seq-len", type=int, default=2048, help="RoI: tokens per step (optimize --roi-seq-len)")
-    ap.add_argument("--si-steps", type=int, default=20)
-    ap.add_argument("--seed", type=int, default=0, help="optimize --seed (RoI: its noise and data order)")
+    defaults = OptimizeConfig()  # the product's defaults, so a bench run measures what users get
+    ap.add_argument("--roi-steps", type=int, default=defaults.roi_steps)
+    ap.add_argument("--roi-seq-len", type=int, default=defaults.roi_seq_len, help="RoI: tokens per step (optimize --roi-seq-len)")
+    ap.add_argument("--si-steps", type=int, default=defaults.si_steps)
+    ap.add_argument("--seed", type=int, default=defaults.seed, help="optimize --seed (RoI: its noise and data order)")
     ap.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="our calibration passes (optimize --calib-dtype); the peer runs fp32 as it ships")
     ap.add_argument("--no-peer", action="store_true", help="skip llm-compressor")
