@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true",
                     help="continue (or reuse, if finished) a training of the same settings from its checkpoint")
     ap.add_argument("--project-uniform", action="store_true", help="train the uniform layout's own gates, projected onto the baseline's shape")
+    ap.add_argument("--layer-budget", action="store_true", help="uniform layout: hold every layer to the baseline's shape, one multiplier per layer and kind")
     ap.add_argument("--refit", action="store_true",
                     help="every row (baseline too) with the least-squares refit of the kept o_proj / down_proj columns")
     ap.add_argument("--layouts", nargs="+", default=["per-layer", "uniform"], choices=["per-layer", "uniform"])
@@ -71,7 +72,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     protocol = {"target": args.target, "budget": args.budget, "steps": args.steps, "batch": args.batch,
                 "seq_len": args.seq_len, "lr": args.lr,
-                "beta": args.beta, "beta_start": args.beta_start, "project_uniform": args.project_uniform, "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
+                "beta": args.beta, "beta_start": args.beta_start, "project_uniform": args.project_uniform, "layer_budget": args.layer_budget, "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
                 "calib_dtype": args.calib_dtype, "refit": args.refit,
                 "eval": str(data / "wikitext2-raw-test.txt"), "eval_windows": args.eval_windows,
                 "torch_threads": args.threads, "command": " ".join(sys.argv)}
@@ -90,9 +91,9 @@ def main() -> None:
                 out=str(pkg), calib_windows=args.calib_windows, ddp_steps=args.steps, ddp_batch=args.batch, seq_len=2048,
                 ddp_seq_len=args.seq_len, ddp_lr=args.lr,
                 threads=args.threads, ddp_start=args.ddp_start, ddp_beta=args.beta, ddp_beta_start=args.beta_start,
-                ddp_project_uniform=args.project_uniform, calib_dtype=args.calib_dtype, refit=args.refit,
+                ddp_project_uniform=args.project_uniform, ddp_layer_budget=args.layer_budget, calib_dtype=args.calib_dtype, refit=args.refit,
                 # the uniform export reuses the per-layer run's gates, unless it trains its own
-                resume=args.resume or (layout == "uniform" and not args.project_uniform),
+                resume=args.resume or (layout == "uniform" and not (args.project_uniform or args.layer_budget)),
                 eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)))["manifest"]
             q = m["quality"]["perplexity"]
             # Runs of one level may come from separate processes (--layouts): read the file

@@ -72,6 +72,7 @@ class OptimizeConfig:
     ddp_beta: float | None = None      # augmented-Lagrangian penalty (DDPConfig.beta); None: by layout
     ddp_beta_start: float | None = None
     ddp_project_uniform: bool = False  # uniform layout: train the gates projected onto the baseline's shape
+    ddp_layer_budget: bool = False     # uniform layout: hold every layer to the baseline's shape (DDPConfig.layer_shape)
     resume: bool = False
     checkpoint_every: int = 25
     sparsity: str = "2:4"             # semi-structured methods: N:M, or an unstructured fraction
@@ -211,7 +212,8 @@ def _run(cfg, target, plan, source, adapter, out: Path, tmp: Path) -> dict:
             f"parameters; package format: {why}")
     else:
         # DDP trained for the uniform layout was held to one shape throughout: that shape.
-        fixed = [method.shape] if getattr(method, "shape", None) is not None else None
+        held = getattr(method, "shape", None) or getattr(method, "layer_shape", None)
+        fixed = [held] if held is not None else None
         shape, masks, chosen, tried = _choose_uniform(cfg, model, adapter, method, held_out, costs, fixed)
         log(f"shape: {shape.num_heads} heads / {shape.num_kv_heads} KV heads / {shape.intermediate_size} channels "
             f"per block (dense {adapter.dense_shape(config).__dict__}), "
@@ -411,10 +413,12 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
     # default: on SmolLM2 it won at 0.7 and 0.5 and lost at 0.8 and under the latency budget
     # (README, "How DDP got here"); the budget-trained gates are exported uniformly instead.
     projected = cfg.ddp_project_uniform and baseline_start and cfg.layout == "uniform"
+    layer_budget = cfg.ddp_layer_budget and baseline_start and cfg.layout == "uniform" and not projected
     ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=ddp_setting(cfg, "ddp_batch"), seed=cfg.seed,
                         lr=cfg.ddp_lr, beta=ddp_setting(cfg, "ddp_beta"), beta_start=cfg.ddp_beta_start, warmup=0.0 if baseline_start else 0.5,
                         dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."),
-                        shape=dict(start["shape"]) if projected else None)
+                        shape=dict(start["shape"]) if projected else None,
+                        layer_shape=dict(start["shape"]) if layer_budget else None)
     ddp = DDP(model, adapter, ddp_cfg, UnitCosts(*costs))
     if baseline_start:
         ddp.start_from(start_masks)

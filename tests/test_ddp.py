@@ -222,6 +222,32 @@ def test_uniform_training_holds_one_shape_and_ships_the_model_it_trained():
     torch.testing.assert_close(got, gated, atol=1e-5, rtol=1e-5)
 
 
+def test_a_layer_budget_presses_only_on_the_layer_over_the_shape():
+    """--layout uniform with DDPConfig.layer_shape: one multiplier per layer and kind. A layer
+    that takes back channels over the shape is pressed alone; the other layer, at the shape,
+    keeps its units (with one model-wide budget both would be pressed)."""
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    data = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    shape = budget.uniform_candidates(adapter, model.config, 0.6)[0]
+    ddp = DDP(model, adapter, DDPConfig(retain=0.6, steps=30, batch=2, lr=0.1, warmup=0.0, layer_shape=dict(shape.__dict__)),
+              UnitCosts.params(adapter, model.config))
+    ddp.start_from(_baseline_masks(model, adapter, data, 0.6))
+    with torch.no_grad():
+        ddp.gates.channel[0] = 1.0  # layer 0 over the shape, layer 1 at it
+    assert ddp.layer_excess(ddp.mu()).shape == (2 * ddp.layers,)
+    lam = []
+    for i in range(30):
+        ddp.step(data[(2 * i) % 8:(2 * i) % 8 + 2])
+        lam.append(ddp.lam.clone())
+    channel_lam = torch.stack(lam)[:, ddp.layers:]  # [steps, layers]
+    assert channel_lam[:, 0].max() > 0 and channel_lam[:, 1].max() == 0
+    kept = (ddp.gates.channel > 0).sum(1)
+    assert kept[0] < adapter.dense_shape(model.config).intermediate_size and kept[1] == shape.intermediate_size
+    masks = ddp.decide(shape)  # the export: the same shape in every layer
+    assert all(len(b.channels) == shape.intermediate_size for b in masks.blocks)
+
+
 def test_beta_can_rise_geometrically_over_the_run():
     model = tiny_model("llama")
     adapter = get_adapter(model.config)

@@ -69,6 +69,9 @@ class DDPConfig:
     dtype: str = "float32"     # "bfloat16": the KD passes under bf16 autocast (gates and KL stay fp32)
     shape: dict | None = None  # uniform layout: every step projects the gates onto this block shape
                                # (the best units per layer by z), so no budget term is needed
+    layer_shape: dict | None = None  # uniform layout: every layer's heads and channels held to this
+                               # block shape by multipliers of their own, in place of one budget over
+                               # the model, so training cannot move units between layers
     seed: int = 0
 
 
@@ -145,7 +148,9 @@ class DDP:
         self.shape = BlockShape(**cfg.shape) if cfg.shape else None
         self._projection = None  # (step, head keep [L, H], channel keep [L, I]) for self.shape
         self.opt = torch.optim.Adam(self.gates.parameters(), lr=cfg.lr)
-        self.lam = 0.0
+        self.layer_shape = BlockShape(**cfg.layer_shape) if cfg.layer_shape else None
+        # One multiplier for the model's budget, or one per layer and kind (heads, channels).
+        self.lam = torch.zeros(2 * self.layers) if self.layer_shape else torch.zeros(())
         self.step_count = 0
         self.dense_cost = self.layers * costs.block(*self._dense_counts())
         for p in model.parameters():
@@ -218,6 +223,20 @@ class DDP:
         t = min(1.0, self.step_count / max(1, self.cfg.warmup * self.cfg.steps))
         return 1.0 - (1.0 - self.cfg.retain) * t
 
+    def layer_excess(self, mu: float) -> torch.Tensor:
+        """Per layer, the expected cost of its heads (with their KV groups) and of its channels
+        over `layer_shape`'s, in fractions of the dense model's cost, so that with β·L the terms
+        together weigh what the one model-wide budget does when every layer is off by as much."""
+        s_head, s_kv, s_chan = self.gates.scores(mu)
+        c, shape = self.costs, self.layer_shape
+        t = min(1.0, self.step_count / max(1, self.cfg.warmup * self.cfg.steps)) if self.cfg.warmup else 1.0
+        dense_attn = c.head * self.dense.num_heads + c.kv * self.dense.num_kv_heads
+        attn = dense_attn - t * (dense_attn - c.head * shape.num_heads - c.kv * shape.num_kv_heads)
+        chan = self.dense.intermediate_size - t * (self.dense.intermediate_size - shape.intermediate_size)
+        heads = c.head * s_head.sum(1) + c.kv * s_kv.sum(1) - attn
+        channels = c.channel * (s_chan.sum(1) - chan)
+        return torch.cat([heads, channels]) / self.dense_cost
+
     def expected_retention(self, mu: float) -> torch.Tensor:
         s_head, s_kv, s_chan = self.gates.scores(mu)
         c = self.costs
@@ -240,21 +259,25 @@ class DDP:
         cfg = self.cfg
         target = self.target()
         c = self.expected_retention(mu) - target
+        beta = self.beta()
+        if self.layer_shape is not None:
+            c_budget, beta = self.layer_excess(mu), beta * self.layers
+        else:
+            c_budget = c
         gamma = cfg.gamma * min(1.0, self.step_count / max(1, cfg.steps - 1))
         # The inequality form of the augmented Lagrangian (retention at most the target): λ ≥ 0,
         # so a start under the budget invites no units back beyond what KD asks for. With the
         # equality form λ went negative from the baseline start, pulled units back in, and the
         # run ended 0.04–0.07 over the target for the tie-break to cut (SmolLM2 at 0.5: PPL 139
         # with β = 5 equality, 79 with β = 50 inequality, at a smaller retention).
-        beta = self.beta()
-        budget = (torch.relu(self.lam + beta * c) ** 2 - self.lam ** 2) / (2 * beta)
+        budget = ((torch.relu(self.lam + beta * c_budget) ** 2 - self.lam ** 2) / (2 * beta)).sum()
         loss = kd + budget + gamma * (s * (1 - s)).mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
-        self.lam = max(0.0, self.lam + beta * c.item())
+        self.lam = torch.relu(self.lam + beta * c_budget.detach())
         self.step_count += 1
-        return {"kd": kd.item(), "retain": c.item() + target, "target": target, "lambda": self.lam, "mu": mu}
+        return {"kd": kd.item(), "retain": c.item() + target, "target": target, "lambda": self.lam.max().item(), "mu": mu}
 
     def _descend_projected(self, kd: torch.Tensor) -> dict:
         """Uniform layout: the forward already is a model of `self.shape`, so only KD trains

@@ -41,6 +41,7 @@ class ExpertGates:
     target = DDP.target  # the retention target falls from 1 to cfg.retain over the warm-up
     descend = DDP.descend  # budget + binarisation + Adam step + dual ascent, as for heads and channels
     beta = DDP.beta
+    layer_shape = None     # one budget over the model (DDP.descend asks)
 
     def __init__(self, model, adapter, cfg: DDPConfig):
         self.model, self.adapter, self.cfg = model, as_moe_adapter(adapter), cfg
@@ -51,7 +52,7 @@ class ExpertGates:
         self.costs = torch.full(self.z.shape, float(self.adapter.expert_params(config)))  # parameters
         self.dense_cost = self.costs.sum()
         self.opt = torch.optim.Adam([self.z], lr=cfg.lr)
-        self.lam, self.step_count, self.enabled = 0.0, 0, True
+        self.lam, self.step_count, self.enabled = torch.zeros(()), 0, True
         for p in model.parameters():
             p.requires_grad_(False)
         self._handles = []
