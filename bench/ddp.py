@@ -12,9 +12,8 @@ Levels run as separate processes (one per core) write separate files
 Same data protocol as bench/spine.py: calibration (and DDP training text) from WikiText-2
 validation, perplexity on WikiText-2 raw test in 2048-token windows (--eval-windows). For each
 retention: the baseline (--method activation), DDP exported per layer (its natural result), and
-DDP exported uniformly (its own training where its settings differ, as the defaults do by
-layout; otherwise the per-layer run's checkpoint is reused; --project-uniform trains the
-uniform layout's gates projected onto the baseline's shape);
+DDP trained for the uniform layout (by default every layer held to the baseline's shape,
+--layer-budget; --project-uniform trains the gates projected onto that shape instead);
 their perplexities, DDP's training tokens, wall time and peak memory. Writes
 bench/results/ddp/ddp-{budget}-r*.json and ddp-{budget}.md;
 serve them with `bench PACKAGE --baseline embedded` for the speed ratios.
@@ -59,7 +58,9 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true",
                     help="continue (or reuse, if finished) a training of the same settings from its checkpoint")
     ap.add_argument("--project-uniform", action="store_true", help="train the uniform layout's own gates, projected onto the baseline's shape")
-    ap.add_argument("--layer-budget", action="store_true", help="uniform layout: hold every layer to the baseline's shape, one multiplier per layer and kind")
+    ap.add_argument("--layer-budget", action=argparse.BooleanOptionalAction, default=None,
+                    help="uniform layout: hold every layer to the baseline's shape, one multiplier per layer and kind "
+                         "(default: by layout, on for uniform)")
     ap.add_argument("--refit", action="store_true",
                     help="every row (baseline too) with the least-squares refit of the kept o_proj / down_proj columns")
     ap.add_argument("--layouts", nargs="+", default=["per-layer", "uniform"], choices=["per-layer", "uniform"])
@@ -92,8 +93,7 @@ def main() -> None:
                 ddp_seq_len=args.seq_len, ddp_lr=args.lr,
                 threads=args.threads, ddp_start=args.ddp_start, ddp_beta=args.beta, ddp_beta_start=args.beta_start,
                 ddp_project_uniform=args.project_uniform, ddp_layer_budget=args.layer_budget, calib_dtype=args.calib_dtype, refit=args.refit,
-                # the uniform export reuses the per-layer run's gates, unless it trains its own
-                resume=args.resume or (layout == "uniform" and not (args.project_uniform or args.layer_budget)),
+                resume=args.resume,
                 eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)))["manifest"]
             q = m["quality"]["perplexity"]
             # Runs of one level may come from separate processes (--layouts): read the file

@@ -64,7 +64,7 @@ class OptimizeConfig:
     threads: int | None = None
     budget: str = "params"            # what --retain counts: params | latency (on the target)
     layout: str = "uniform"           # uniform (plain config) | per-layer (DDP: DeciLM or plugin package)
-    ddp_steps: int = 80                # measured: bench/ddp.py (160 helped at 0.8 and hurt at 0.7 and 0.5)
+    ddp_steps: int = 80                # measured: bench/ddp.py (160 helped at 0.8 and hurt at 0.7, both layouts)
     ddp_batch: int | None = None       # DDP sequences per step; None: by layout (DDP_DEFAULTS)
     ddp_seq_len: int | None = None     # DDP training sequence length; None: by layout
     ddp_start: str = "baseline"       # DDP: gates start at the one-shot baseline's selection | dense (the paper's)
@@ -72,7 +72,8 @@ class OptimizeConfig:
     ddp_beta: float | None = None      # augmented-Lagrangian penalty (DDPConfig.beta); None: by layout
     ddp_beta_start: float | None = None
     ddp_project_uniform: bool = False  # uniform layout: train the gates projected onto the baseline's shape
-    ddp_layer_budget: bool = False     # uniform layout: hold every layer to the baseline's shape (DDPConfig.layer_shape)
+    ddp_layer_budget: bool | None = None  # uniform layout: hold every layer to the baseline's shape
+                                          # (DDPConfig.layer_shape); None: by layout
     resume: bool = False
     checkpoint_every: int = 25
     sparsity: str = "2:4"             # semi-structured methods: N:M, or an unstructured fraction
@@ -384,14 +385,15 @@ def _choose_uniform(cfg, model, adapter, method, held_out: torch.Tensor, costs, 
     return candidates[best], method.decide(candidates[best]), tried[best], tried
 
 
-# DDP's training settings where the config leaves them unset, by layout. Per layer, longer
-# training sequences and a looser budget won at every level (SmolLM2-135M, before the budget
-# fill: 29.80 / 36.77 / 63.19 at 0.8 / 0.7 / 0.5, against 32.51 / 41.74 / 79.06 with the uniform
-# row's settings). The uniform export cuts every layer to one shape, which costs more the further
-# training has moved units between layers: at 0.5 it gave 104.04 with these settings, 146.06 and
-# 199.11 with 1024-token training at β = 25 and 50. bench/results/ddp-probes/README.md has the runs.
-DDP_DEFAULTS = {"per-layer": {"ddp_seq_len": 1024, "ddp_batch": 1, "ddp_beta": 25.0},
-                "uniform": {"ddp_seq_len": 256, "ddp_batch": 2, "ddp_beta": 50.0}}
+# DDP's training settings where the config leaves them unset, by layout
+# (bench/results/ddp-probes/README.md has the runs). Per layer, longer training sequences and a
+# looser budget won at every level (SmolLM2-135M, before the budget fill: 29.80 / 36.77 / 63.19
+# at 0.8 / 0.7 / 0.5, against 32.51 / 41.74 / 79.06 at 2 × 256 tokens and β = 50). The uniform
+# layout trains with every layer held to the baseline's shape (its own multiplier per layer and
+# kind): exporting gates trained under one model-wide budget cut every layer back to one shape,
+# which cost more the further training had moved units between layers.
+DDP_DEFAULTS = {"per-layer": {"ddp_seq_len": 1024, "ddp_batch": 1, "ddp_beta": 25.0, "ddp_layer_budget": False},
+                "uniform": {"ddp_seq_len": 1024, "ddp_batch": 1, "ddp_beta": 25.0, "ddp_layer_budget": True}}
 
 
 def ddp_setting(cfg, name: str):
@@ -413,7 +415,7 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
     # default: on SmolLM2 it won at 0.7 and 0.5 and lost at 0.8 and under the latency budget
     # (README, "How DDP got here"); the budget-trained gates are exported uniformly instead.
     projected = cfg.ddp_project_uniform and baseline_start and cfg.layout == "uniform"
-    layer_budget = cfg.ddp_layer_budget and baseline_start and cfg.layout == "uniform" and not projected
+    layer_budget = ddp_setting(cfg, "ddp_layer_budget") and baseline_start and cfg.layout == "uniform" and not projected
     ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=ddp_setting(cfg, "ddp_batch"), seed=cfg.seed,
                         lr=cfg.ddp_lr, beta=ddp_setting(cfg, "ddp_beta"), beta_start=cfg.ddp_beta_start, warmup=0.0 if baseline_start else 0.5,
                         dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."),
