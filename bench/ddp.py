@@ -3,7 +3,7 @@
     .venv/bin/python bench/ddp.py                                   # 0.8 / 0.7 / 0.5, params budget
     .venv/bin/python bench/ddp.py --retain 0.7 --steps 120          # one level, longer training
     .venv/bin/python bench/ddp.py --retain 0.7 --budget latency     # hardware-aware budget
-    .venv/bin/python bench/ddp.py --retain 0.7 --beta 25 --out bench/results/ddp-probes/beta25   # settings
+    .venv/bin/python bench/ddp.py --retain 0.7 --beta 10 --out bench/results/ddp-probes/beta10   # settings
     .venv/bin/python bench/ddp.py --refit --resume --out bench/results/ddp-refit  # the same gates, refitted
 
 Levels run as separate processes (one per core) write separate files
@@ -38,15 +38,16 @@ from optimizer.pipeline import OptimizeConfig, optimize  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = OptimizeConfig()  # the product's defaults, so a bench run measures what users get
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     ap.add_argument("--retain", type=float, nargs="+", default=[0.8, 0.7, 0.5])
     ap.add_argument("--budget", default="params", choices=["params", "latency"])
     ap.add_argument("--target", default="a100")
-    ap.add_argument("--steps", type=int, default=80, help="DDP gate-training steps")
-    ap.add_argument("--batch", type=int, default=None, help="DDP sequences (of --seq-len tokens) per step (default: by layout)")
-    ap.add_argument("--seq-len", type=int, default=None, help="DDP training sequence length, divides 2048 (default: by layout)")
+    ap.add_argument("--steps", type=int, default=defaults.ddp_steps, help="DDP gate-training steps")
+    ap.add_argument("--batch", type=int, default=defaults.ddp_batch, help="DDP sequences (of --seq-len tokens) per step")
+    ap.add_argument("--seq-len", type=int, default=defaults.ddp_seq_len, help="DDP training sequence length, divides 2048")
     ap.add_argument("--lr", type=float, default=0.05, help="DDP gate learning rate (Adam)")
-    ap.add_argument("--beta", type=float, default=None, help="DDP augmented-Lagrangian penalty (default: by layout)")
+    ap.add_argument("--beta", type=float, default=defaults.ddp_beta, help="DDP augmented-Lagrangian penalty")
     ap.add_argument("--beta-start", type=float, default=None, help="β rises geometrically from this to --beta")
     ap.add_argument("--ddp-start", default="baseline", choices=["baseline", "dense"])
     ap.add_argument("--eval-windows", default="all")
@@ -58,9 +59,8 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true",
                     help="continue (or reuse, if finished) a training of the same settings from its checkpoint")
     ap.add_argument("--project-uniform", action="store_true", help="train the uniform layout's own gates, projected onto the baseline's shape")
-    ap.add_argument("--layer-budget", action=argparse.BooleanOptionalAction, default=None,
-                    help="uniform layout: hold every layer to the baseline's shape, one multiplier per layer and kind "
-                         "(default: by layout, on for uniform)")
+    ap.add_argument("--layer-budget", action=argparse.BooleanOptionalAction, default=defaults.ddp_layer_budget,
+                    help="uniform layout: hold every layer to the baseline's shape, one multiplier per layer and kind")
     ap.add_argument("--refit", action="store_true",
                     help="every row (baseline too) with the least-squares refit of the kept o_proj / down_proj columns")
     ap.add_argument("--layouts", nargs="+", default=["per-layer", "uniform"], choices=["per-layer", "uniform"])

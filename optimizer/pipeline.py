@@ -65,15 +65,22 @@ class OptimizeConfig:
     budget: str = "params"            # what --retain counts: params | latency (on the target)
     layout: str = "uniform"           # uniform (plain config) | per-layer (DDP: DeciLM or plugin package)
     ddp_steps: int = 80                # measured: bench/ddp.py (160 helped at 0.8 and hurt at 0.7, both layouts)
-    ddp_batch: int | None = None       # DDP sequences per step; None: by layout (DDP_DEFAULTS)
-    ddp_seq_len: int | None = None     # DDP training sequence length; None: by layout
+    # DDP's training settings (bench/results/ddp-probes/README.md has the runs): longer training
+    # sequences and a looser budget won at every level (SmolLM2-135M per layer, before the budget
+    # fill: 29.80 / 36.77 / 63.19 at 0.8 / 0.7 / 0.5, against 32.51 / 41.74 / 79.06 at 2 × 256
+    # tokens and β = 50).
+    ddp_batch: int = 1                 # DDP sequences per step
+    ddp_seq_len: int = 1024            # DDP training sequence length (the whole window where it does not divide seq_len)
     ddp_start: str = "baseline"       # DDP: gates start at the one-shot baseline's selection | dense (the paper's)
     ddp_lr: float = 0.05
-    ddp_beta: float | None = None      # augmented-Lagrangian penalty (DDPConfig.beta); None: by layout
+    ddp_beta: float = 25.0             # augmented-Lagrangian penalty (DDPConfig.beta)
     ddp_beta_start: float | None = None
     ddp_project_uniform: bool = False  # uniform layout: train the gates projected onto the baseline's shape
-    ddp_layer_budget: bool | None = None  # uniform layout: hold every layer to the baseline's shape
-                                          # (DDPConfig.layer_shape); None: by layout
+    # Uniform layout: hold every layer to the baseline's shape (DDPConfig.layer_shape). Exporting
+    # gates trained under one model-wide budget cut every layer back to one shape, which cost more
+    # the further training had moved units between layers (SmolLM2: 32.17 / 39.95 / 105.59 with
+    # it, 33.83 / 44.54 / 102.33 without).
+    ddp_layer_budget: bool = True
     resume: bool = False
     checkpoint_every: int = 25
     sparsity: str = "2:4"             # semi-structured methods: N:M, or an unstructured fraction
@@ -105,9 +112,9 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError(f"--layout per-layer writes vLLM packages only, not --format {cfg.format}")
     if cfg.ddp_start not in ("baseline", "dense"):
         raise UserError(f"--ddp-start must be baseline or dense, got {cfg.ddp_start!r}")
-    if cfg.ddp_steps < 1 or any(v is not None and v < 1 for v in (cfg.ddp_batch, cfg.ddp_seq_len)):
+    if min(cfg.ddp_steps, cfg.ddp_batch, cfg.ddp_seq_len) < 1:
         raise UserError("--steps, the DDP batch and its sequence length must be >= 1")
-    if not (cfg.ddp_lr > 0 and (cfg.ddp_beta is None or cfg.ddp_beta > 0) and (cfg.ddp_beta_start is None or cfg.ddp_beta_start > 0)):
+    if not (cfg.ddp_lr > 0 and cfg.ddp_beta > 0 and (cfg.ddp_beta_start is None or cfg.ddp_beta_start > 0)):
         raise UserError("the DDP learning rate and β (and β's start) must be > 0")
     if cfg.refit_damp <= 0:
         raise UserError(f"the refit's ridge (refit_damp) must be > 0, got {cfg.refit_damp}")
@@ -385,23 +392,6 @@ def _choose_uniform(cfg, model, adapter, method, held_out: torch.Tensor, costs, 
     return candidates[best], method.decide(candidates[best]), tried[best], tried
 
 
-# DDP's training settings where the config leaves them unset, by layout
-# (bench/results/ddp-probes/README.md has the runs). Per layer, longer training sequences and a
-# looser budget won at every level (SmolLM2-135M, before the budget fill: 29.80 / 36.77 / 63.19
-# at 0.8 / 0.7 / 0.5, against 32.51 / 41.74 / 79.06 at 2 × 256 tokens and β = 50). The uniform
-# layout trains with every layer held to the baseline's shape (its own multiplier per layer and
-# kind): exporting gates trained under one model-wide budget cut every layer back to one shape,
-# which cost more the further training had moved units between layers.
-DDP_DEFAULTS = {"per-layer": {"ddp_seq_len": 1024, "ddp_batch": 1, "ddp_beta": 25.0, "ddp_layer_budget": False},
-                "uniform": {"ddp_seq_len": 1024, "ddp_batch": 1, "ddp_beta": 25.0, "ddp_layer_budget": True}}
-
-
-def ddp_setting(cfg, name: str):
-    """`cfg.<name>`, or the layout's default (DDP_DEFAULTS) where it is None."""
-    value = getattr(cfg, name)
-    return DDP_DEFAULTS[cfg.layout][name] if value is None else value
-
-
 def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tensor, costs, source, calib_text):
     baseline_start = cfg.ddp_start == "baseline"
     start = None
@@ -415,16 +405,16 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
     # default: on SmolLM2 it won at 0.7 and 0.5 and lost at 0.8 and under the latency budget
     # (README, "How DDP got here"); the budget-trained gates are exported uniformly instead.
     projected = cfg.ddp_project_uniform and baseline_start and cfg.layout == "uniform"
-    layer_budget = ddp_setting(cfg, "ddp_layer_budget") and baseline_start and cfg.layout == "uniform" and not projected
-    ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=ddp_setting(cfg, "ddp_batch"), seed=cfg.seed,
-                        lr=cfg.ddp_lr, beta=ddp_setting(cfg, "ddp_beta"), beta_start=cfg.ddp_beta_start, warmup=0.0 if baseline_start else 0.5,
+    layer_budget = cfg.ddp_layer_budget and baseline_start and cfg.layout == "uniform" and not projected
+    ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=cfg.ddp_batch, seed=cfg.seed,
+                        lr=cfg.ddp_lr, beta=cfg.ddp_beta, beta_start=cfg.ddp_beta_start, warmup=0.0 if baseline_start else 0.5,
                         dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."),
                         shape=dict(start["shape"]) if projected else None,
                         layer_shape=dict(start["shape"]) if layer_budget else None)
     ddp = DDP(model, adapter, ddp_cfg, UnitCosts(*costs))
     if baseline_start:
         ddp.start_from(start_masks)
-    seq = ddp_setting(cfg, "ddp_seq_len")
+    seq = cfg.ddp_seq_len
     seq = seq if cfg.seq_len % seq == 0 else cfg.seq_len
     chunks = train.reshape(-1, seq)
     ckpt = _ddp_checkpoint([str(source.hf_dir), calib_text.description, cfg.seq_len, seq, cfg.budget,

@@ -259,7 +259,7 @@ def test_beta_can_rise_geometrically_over_the_run():
 
 
 @pytest.mark.parametrize("field, value", [("ddp_beta", 0.0), ("ddp_beta_start", -1.0), ("ddp_lr", 0.0),
-                                          ("ddp_seq_len", 0)])
+                                          ("ddp_seq_len", 0), ("ddp_batch", 0), ("ddp_steps", 0)])
 def test_bad_ddp_settings_are_one_line_errors(field, value):
     """β divides the budget term and λ's step: 0 must fail at the edge, not as a ZeroDivisionError."""
     from optimizer.errors import UserError
@@ -283,12 +283,3 @@ def test_a_run_at_another_training_length_gets_its_own_checkpoint(tiny_dirs, tex
         assert ddp["seq_len"] == seq and ddp["resumed_from_step"] == 0
         ckpts.append(ddp["checkpoint"])
     assert ckpts[0] != ckpts[1]
-
-
-def test_ddp_settings_follow_the_layout_unless_given():
-    from optimizer.pipeline import DDP_DEFAULTS, OptimizeConfig, ddp_setting
-    for layout in ("per-layer", "uniform"):
-        for name, value in DDP_DEFAULTS[layout].items():
-            assert ddp_setting(OptimizeConfig(layout=layout), name) == value
-    assert DDP_DEFAULTS["per-layer"] != DDP_DEFAULTS["uniform"]
-    assert ddp_setting(OptimizeConfig(layout="uniform", ddp_beta=10.0), "ddp_beta") == 10.0
