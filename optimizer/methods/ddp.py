@@ -218,10 +218,13 @@ class DDP:
     def target(self) -> float:
         # A moving target keeps c small while the gates sort themselves; a fixed one lets
         # λ wind up until every gate crosses zero at once (CoFi / Sheared-LLaMA do the same).
+        return 1.0 - (1.0 - self.cfg.retain) * self.warmed_up()
+
+    def warmed_up(self) -> float:
+        """How far the warm-up has brought the target from dense to the budget, 0 to 1."""
         if self.cfg.warmup == 0:
-            return self.cfg.retain
-        t = min(1.0, self.step_count / max(1, self.cfg.warmup * self.cfg.steps))
-        return 1.0 - (1.0 - self.cfg.retain) * t
+            return 1.0
+        return min(1.0, self.step_count / max(1, self.cfg.warmup * self.cfg.steps))
 
     def layer_excess(self, mu: float) -> torch.Tensor:
         """Per layer, the expected cost of its heads (with their KV groups) and of its channels
@@ -229,7 +232,7 @@ class DDP:
         together weigh what the one model-wide budget does when every layer is off by as much."""
         s_head, s_kv, s_chan = self.gates.scores(mu)
         c, shape = self.costs, self.layer_shape
-        t = min(1.0, self.step_count / max(1, self.cfg.warmup * self.cfg.steps)) if self.cfg.warmup else 1.0
+        t = self.warmed_up()
         dense_attn = c.head * self.dense.num_heads + c.kv * self.dense.num_kv_heads
         attn = dense_attn - t * (dense_attn - c.head * shape.num_heads - c.kv * shape.num_kv_heads)
         chan = self.dense.intermediate_size - t * (self.dense.intermediate_size - shape.intermediate_size)

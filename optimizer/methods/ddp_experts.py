@@ -39,6 +39,7 @@ from optimizer.moe_surgery import as_moe_adapter, moe_parts, route_hook, scale_h
 class ExpertGates:
     mu = DDP.mu          # μ held during the warm-up, then annealed geometrically to mu_end
     target = DDP.target  # the retention target falls from 1 to cfg.retain over the warm-up
+    warmed_up = DDP.warmed_up
     descend = DDP.descend  # budget + binarisation + Adam step + dual ascent, as for heads and channels
     beta = DDP.beta
     layer_shape = None     # one budget over the model (DDP.descend asks)
