@@ -46,10 +46,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=defaults.ddp_steps, help="DDP gate-training steps")
     ap.add_argument("--batch", type=int, default=defaults.ddp_batch, help="DDP sequences (of --seq-len tokens) per step")
     ap.add_argument("--seq-len", type=int, default=defaults.ddp_seq_len, help="DDP training sequence length, divides 2048")
-    ap.add_argument("--lr", type=float, default=0.05, help="DDP gate learning rate (Adam)")
+    ap.add_argument("--lr", type=float, default=defaults.ddp_lr, help="DDP gate learning rate (Adam)")
     ap.add_argument("--beta", type=float, default=defaults.ddp_beta, help="DDP augmented-Lagrangian penalty")
-    ap.add_argument("--beta-start", type=float, default=None, help="β rises geometrically from this to --beta")
-    ap.add_argument("--ddp-start", default="baseline", choices=["baseline", "dense"])
+    ap.add_argument("--beta-start", type=float, default=defaults.ddp_beta_start, help="β rises geometrically from this to --beta")
+    ap.add_argument("--ddp-start", default=defaults.ddp_start, choices=["baseline", "dense"])
     ap.add_argument("--eval-windows", default="all")
     ap.add_argument("--calib-windows", type=int, default=8, help="windows of 2048 for the importance and DDP training")
     ap.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -131,7 +131,7 @@ def _markdown(results: dict) -> str:
              f"Perplexity on {Path(p['eval']).name} ({p['eval_windows']} windows of 2048); DDP trained "
              f"on {Path(p['calib']).name} (β, steps × sequences × tokens per step per row), starting from "
              f"the {p['ddp_start']} selection; torch threads {p['torch_threads']}. Each DDP row is its own "
-             "training unless its train wall says \"same gates\" (the per-layer run's gates exported uniformly).", "",
+             "training unless its train wall says \"same gates\" (a finished checkpoint re-exported with --resume).", "",
              "| retain | method | β, steps × batch × seq (KD passes if not bf16) | shape (heads/KV/MLP) | achieved | PPL | excess PPL | DDP excess / baseline | "
              "train tokens | train wall | peak RSS |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]

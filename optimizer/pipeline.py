@@ -401,9 +401,10 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
         importance, _ = _observe_activation(cfg, model, adapter, train)
         shape, start_masks, chosen, _ = _choose_uniform(cfg, model, adapter, importance, held_out, costs)
         start = {"shape": shape.__dict__, "held_out_loss": chosen["held_out_loss"]}
-    # Optionally the uniform layout trains projected onto the baseline's shape. Not the
-    # default: on SmolLM2 it won at 0.7 and 0.5 and lost at 0.8 and under the latency budget
-    # (README, "How DDP got here"); the budget-trained gates are exported uniformly instead.
+    # The uniform layout trains held to the baseline's shape: by default one budget per layer
+    # and kind (ddp_layer_budget); optionally projected onto that shape every step, which on
+    # SmolLM2 won at 0.7 and 0.5 and lost at 0.8 and under the latency budget (README, "How DDP
+    # got here").
     projected = cfg.ddp_project_uniform and baseline_start and cfg.layout == "uniform"
     layer_budget = cfg.ddp_layer_budget and baseline_start and cfg.layout == "uniform" and not projected
     ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=cfg.ddp_batch, seed=cfg.seed,
