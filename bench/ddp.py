@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=defaults.ddp_batch, help="DDP sequences (of --seq-len tokens) per step")
     ap.add_argument("--seq-len", type=int, default=defaults.ddp_seq_len, help="DDP training sequence length, divides 2048")
     ap.add_argument("--lr", type=float, default=defaults.ddp_lr, help="DDP gate learning rate (Adam)")
+    ap.add_argument("--lr-end", type=float, default=defaults.ddp_lr_end, help="the learning rate falls along a cosine to this")
     ap.add_argument("--beta", type=float, default=defaults.ddp_beta, help="DDP augmented-Lagrangian penalty")
     ap.add_argument("--beta-start", type=float, default=defaults.ddp_beta_start, help="β rises geometrically from this to --beta")
     ap.add_argument("--ddp-start", default=defaults.ddp_start, choices=["baseline", "dense"])
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--calib-windows", type=int, default=8, help="windows of 2048 for the importance and DDP training")
     ap.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="calibration and DDP KD passes (auto: bf16 where the CPU has it natively)")
+    ap.add_argument("--seed", type=int, default=defaults.seed, help="DDP's batch order")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--resume", action="store_true",
@@ -72,11 +74,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     protocol = {"target": args.target, "budget": args.budget, "steps": args.steps, "batch": args.batch,
-                "seq_len": args.seq_len, "lr": args.lr,
+                "seq_len": args.seq_len, "lr": args.lr, "lr_end": args.lr_end,
                 "beta": args.beta, "beta_start": args.beta_start, "project_uniform": args.project_uniform, "layer_budget": args.layer_budget, "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
                 "calib_dtype": args.calib_dtype, "refit": args.refit,
                 "eval": str(data / "wikitext2-raw-test.txt"), "eval_windows": args.eval_windows,
-                "torch_threads": args.threads, "command": " ".join(sys.argv)}
+                "torch_threads": args.threads, "seed": args.seed, "command": " ".join(sys.argv)}
     runs = [("activation", "uniform")] if not args.skip_baseline else []
     runs += [("ddp", layout) for layout in args.layouts]
     for retain in args.retain:
@@ -90,8 +92,8 @@ def main() -> None:
                 target=args.target, method=method, retain=retain, budget=args.budget, layout=layout,
                 calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
                 out=str(pkg), calib_windows=args.calib_windows, ddp_steps=args.steps, ddp_batch=args.batch, seq_len=2048,
-                ddp_seq_len=args.seq_len, ddp_lr=args.lr,
-                threads=args.threads, ddp_start=args.ddp_start, ddp_beta=args.beta, ddp_beta_start=args.beta_start,
+                ddp_seq_len=args.seq_len, ddp_lr=args.lr, ddp_lr_end=args.lr_end,
+                threads=args.threads, seed=args.seed, ddp_start=args.ddp_start, ddp_beta=args.beta, ddp_beta_start=args.beta_start,
                 ddp_project_uniform=args.project_uniform, ddp_layer_budget=args.layer_budget, calib_dtype=args.calib_dtype, refit=args.refit,
                 resume=args.resume,
                 eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)))["manifest"]

@@ -73,6 +73,7 @@ class OptimizeConfig:
     ddp_seq_len: int = 1024            # DDP training sequence length (the whole window where it does not divide seq_len)
     ddp_start: str = "baseline"       # DDP: gates start at the one-shot baseline's selection | dense (the paper's)
     ddp_lr: float = 0.05
+    ddp_lr_end: float | None = None
     ddp_beta: float = 25.0             # augmented-Lagrangian penalty (DDPConfig.beta)
     ddp_beta_start: float | None = None
     ddp_project_uniform: bool = False  # uniform layout: train the gates projected onto the baseline's shape
@@ -114,8 +115,8 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError(f"--ddp-start must be baseline or dense, got {cfg.ddp_start!r}")
     if min(cfg.ddp_steps, cfg.ddp_batch, cfg.ddp_seq_len) < 1:
         raise UserError("--steps, the DDP batch and its sequence length must be >= 1")
-    if not (cfg.ddp_lr > 0 and cfg.ddp_beta > 0 and (cfg.ddp_beta_start is None or cfg.ddp_beta_start > 0)):
-        raise UserError("the DDP learning rate and β (and β's start) must be > 0")
+    if not (cfg.ddp_lr > 0 and (cfg.ddp_lr_end is None or cfg.ddp_lr_end >= 0) and cfg.ddp_beta > 0 and (cfg.ddp_beta_start is None or cfg.ddp_beta_start > 0)):
+        raise UserError("the DDP learning rate and β (and β's start) must be > 0, the learning rate's end >= 0")
     if cfg.refit_damp <= 0:
         raise UserError(f"the refit's ridge (refit_damp) must be > 0, got {cfg.refit_damp}")
     if cfg.seq_len < 16 or cfg.calib_windows < 1 or (cfg.eval_windows is not None and cfg.eval_windows < 1):
@@ -408,7 +409,7 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
     projected = cfg.ddp_project_uniform and baseline_start and cfg.layout == "uniform"
     layer_budget = cfg.ddp_layer_budget and baseline_start and cfg.layout == "uniform" and not projected
     ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=cfg.ddp_batch, seed=cfg.seed,
-                        lr=cfg.ddp_lr, beta=cfg.ddp_beta, beta_start=cfg.ddp_beta_start, warmup=0.0 if baseline_start else 0.5,
+                        lr=cfg.ddp_lr, lr_end=cfg.ddp_lr_end, beta=cfg.ddp_beta, beta_start=cfg.ddp_beta_start, warmup=0.0 if baseline_start else 0.5,
                         dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."),
                         shape=dict(start["shape"]) if projected else None,
                         layer_shape=dict(start["shape"]) if layer_budget else None)

@@ -258,7 +258,20 @@ def test_beta_can_rise_geometrically_over_the_run():
     assert DDP(model, adapter, DDPConfig(retain=0.5, beta=15.0), UnitCosts.params(adapter, model.config)).beta() == 15.0
 
 
-@pytest.mark.parametrize("field, value", [("ddp_beta", 0.0), ("ddp_beta_start", -1.0), ("ddp_lr", 0.0),
+def test_the_learning_rate_can_fall_along_a_cosine_to_its_end():
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    ddp = DDP(model, adapter, DDPConfig(retain=0.5, steps=5, batch=2, lr=0.1, lr_end=0.0), UnitCosts.params(adapter, model.config))
+    data = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    lrs = []
+    for _ in range(5):
+        ddp.step(data)
+        lrs.append(ddp.opt.param_groups[0]["lr"])  # what Adam stepped with
+    assert lrs == pytest.approx([0.1, 0.1 * (1 + 2 ** -0.5) / 2, 0.05, 0.1 * (1 - 2 ** -0.5) / 2, 0.0])
+    assert DDP(model, adapter, DDPConfig(retain=0.5, lr=0.1), UnitCosts.params(adapter, model.config)).lr() == 0.1
+
+
+@pytest.mark.parametrize("field, value", [("ddp_beta", 0.0), ("ddp_beta_start", -1.0), ("ddp_lr", 0.0), ("ddp_lr_end", -0.01),
                                           ("ddp_seq_len", 0), ("ddp_batch", 0), ("ddp_steps", 0)])
 def test_bad_ddp_settings_are_one_line_errors(field, value):
     """β divides the budget term and λ's step: 0 must fail at the edge, not as a ZeroDivisionError."""

@@ -28,6 +28,7 @@ shape, or `budget_masks()` for per-layer shapes meeting the budget exactly.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,6 +55,7 @@ class DDPConfig:
     steps: int = 200
     batch: int = 4
     lr: float = 0.05
+    lr_end: float | None = None  # None: lr throughout; else lr falls along a cosine to this at the last step
     beta: float = 50.0         # augmented-Lagrangian penalty, also the dual step size. SmolLM2
                                # (bench/results/ddp-probes): lower β swaps more units (0.7 per
                                # layer: 36.7 at 15, 38.7 at 25, 41.7 at 50) but ends over the budget
@@ -215,6 +217,17 @@ class DDP:
         t = self.step_count / max(1, self.cfg.steps - 1)
         return self.cfg.beta_start * (self.cfg.beta / self.cfg.beta_start) ** t
 
+    def lr(self) -> float:
+        if self.cfg.lr_end is None:
+            return self.cfg.lr
+        t = self.step_count / max(1, self.cfg.steps - 1)
+        return self.cfg.lr_end + (self.cfg.lr - self.cfg.lr_end) * (1 + math.cos(math.pi * t)) / 2
+
+    def _adam_step(self) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr()
+        self.opt.step()
+
     def target(self) -> float:
         # A moving target keeps c small while the gates sort themselves; a fixed one lets
         # λ wind up until every gate crosses zero at once (CoFi / Sheared-LLaMA do the same).
@@ -277,7 +290,7 @@ class DDP:
         loss = kd + budget + gamma * (s * (1 - s)).mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        self.opt.step()
+        self._adam_step()
         self.lam = torch.relu(self.lam + beta * c_budget.detach())
         self.step_count += 1
         return {"kd": kd.item(), "retain": c.item() + target, "target": target, "lambda": self.lam.max().item(), "mu": mu}
@@ -288,7 +301,7 @@ class DDP:
         and swaps in when its z passes the weakest kept unit's of its layer."""
         self.opt.zero_grad(set_to_none=True)
         kd.backward()
-        self.opt.step()
+        self._adam_step()
         self.step_count += 1
         kept = self.layers * self.costs.block(self.shape.num_heads, self.shape.num_kv_heads,
                                               self.shape.intermediate_size) / self.dense_cost

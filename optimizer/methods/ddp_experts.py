@@ -42,6 +42,8 @@ class ExpertGates:
     warmed_up = DDP.warmed_up
     descend = DDP.descend  # budget + binarisation + Adam step + dual ascent, as for heads and channels
     beta = DDP.beta
+    lr = DDP.lr
+    _adam_step = DDP._adam_step
     layer_shape = None     # one budget over the model (DDP.descend asks)
 
     def __init__(self, model, adapter, cfg: DDPConfig):
