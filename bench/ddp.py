@@ -63,7 +63,6 @@ def main() -> None:
     ap.add_argument("--project-uniform", action="store_true", help="train the uniform layout's own gates, projected onto the baseline's shape")
     ap.add_argument("--layer-budget", action=argparse.BooleanOptionalAction, default=defaults.ddp_layer_budget,
                     help="uniform layout: hold every layer to the baseline's shape, one multiplier per layer and kind")
-    ap.add_argument("--layer-exact", action="store_true", help="the layer budget as an equality")
     ap.add_argument("--refit", action="store_true",
                     help="every row (baseline too) with the least-squares refit of the kept o_proj / down_proj columns")
     ap.add_argument("--layouts", nargs="+", default=["per-layer", "uniform"], choices=["per-layer", "uniform"])
@@ -76,7 +75,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     protocol = {"target": args.target, "budget": args.budget, "steps": args.steps, "batch": args.batch,
                 "seq_len": args.seq_len, "lr": args.lr, "lr_end": args.lr_end,
-                "beta": args.beta, "beta_start": args.beta_start, "project_uniform": args.project_uniform, "layer_budget": args.layer_budget, "layer_exact": args.layer_exact, "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
+                "beta": args.beta, "beta_start": args.beta_start, "project_uniform": args.project_uniform, "layer_budget": args.layer_budget, "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
                 "calib_dtype": args.calib_dtype, "refit": args.refit,
                 "eval": str(data / "wikitext2-raw-test.txt"), "eval_windows": args.eval_windows,
                 "torch_threads": args.threads, "seed": args.seed, "command": " ".join(sys.argv)}
@@ -95,7 +94,7 @@ def main() -> None:
                 out=str(pkg), calib_windows=args.calib_windows, ddp_steps=args.steps, ddp_batch=args.batch, seq_len=2048,
                 ddp_seq_len=args.seq_len, ddp_lr=args.lr, ddp_lr_end=args.lr_end,
                 threads=args.threads, seed=args.seed, ddp_start=args.ddp_start, ddp_beta=args.beta, ddp_beta_start=args.beta_start,
-                ddp_project_uniform=args.project_uniform, ddp_layer_budget=args.layer_budget, ddp_layer_exact=args.layer_exact, calib_dtype=args.calib_dtype, refit=args.refit,
+                ddp_project_uniform=args.project_uniform, ddp_layer_budget=args.layer_budget, calib_dtype=args.calib_dtype, refit=args.refit,
                 resume=args.resume,
                 eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)))["manifest"]
             q = m["quality"]["perplexity"]

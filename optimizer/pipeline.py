@@ -82,7 +82,6 @@ class OptimizeConfig:
     # the further training had moved units between layers (SmolLM2: 32.17 / 39.95 / 105.59 with
     # it, 33.83 / 44.54 / 102.33 without).
     ddp_layer_budget: bool = True
-    ddp_layer_exact: bool = False
     resume: bool = False
     checkpoint_every: int = 25
     sparsity: str = "2:4"             # semi-structured methods: N:M, or an unstructured fraction
@@ -413,7 +412,7 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
                         lr=cfg.ddp_lr, lr_end=cfg.ddp_lr_end, beta=cfg.ddp_beta, beta_start=cfg.ddp_beta_start, warmup=0.0 if baseline_start else 0.5,
                         dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."),
                         shape=dict(start["shape"]) if projected else None,
-                        layer_shape=dict(start["shape"]) if layer_budget else None, layer_exact=cfg.ddp_layer_exact)
+                        layer_shape=dict(start["shape"]) if layer_budget else None)
     ddp = DDP(model, adapter, ddp_cfg, UnitCosts(*costs))
     if baseline_start:
         ddp.start_from(start_masks)

@@ -74,7 +74,6 @@ class DDPConfig:
     layer_shape: dict | None = None  # uniform layout: every layer's heads and channels held to this
                                # block shape by multipliers of their own, in place of one budget over
                                # the model, so training cannot move units between layers
-    layer_exact: bool = False  # layer_shape as an equality (λ of either sign), not an upper bound
     seed: int = 0
 
 
@@ -287,17 +286,12 @@ class DDP:
         # equality form λ went negative from the baseline start, pulled units back in, and the
         # run ended 0.04–0.07 over the target for the tie-break to cut (SmolLM2 at 0.5: PPL 139
         # with β = 5 equality, 79 with β = 50 inequality, at a smaller retention).
-        if self.layer_shape is not None and self.cfg.layer_exact:
-            budget = (self.lam * c_budget + beta / 2 * c_budget ** 2).sum()
-        else:
-            budget = ((torch.relu(self.lam + beta * c_budget) ** 2 - self.lam ** 2) / (2 * beta)).sum()
+        budget = ((torch.relu(self.lam + beta * c_budget) ** 2 - self.lam ** 2) / (2 * beta)).sum()
         loss = kd + budget + gamma * (s * (1 - s)).mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self._adam_step()
-        self.lam = self.lam + beta * c_budget.detach()
-        if not (self.layer_shape is not None and self.cfg.layer_exact):
-            self.lam = torch.relu(self.lam)
+        self.lam = torch.relu(self.lam + beta * c_budget.detach())
         self.step_count += 1
         return {"kd": kd.item(), "retain": c.item() + target, "target": target, "lambda": self.lam.max().item(), "mu": mu}
 
