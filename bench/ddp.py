@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=defaults.ddp_batch, help="DDP sequences (of --seq-len tokens) per step")
     ap.add_argument("--seq-len", type=int, default=defaults.ddp_seq_len, help="DDP training sequence length, divides 2048")
     ap.add_argument("--lr", type=float, default=defaults.ddp_lr, help="DDP gate learning rate (Adam)")
-    ap.add_argument("--lr-end", type=float, default=defaults.ddp_lr_end, help="the learning rate falls along a cosine to this")
+    ap.add_argument("--lr-end", type=float, default=defaults.ddp_lr_end, help="the learning rate falls along a cosine to this (default: by layout, OptimizeConfig.ddp_lr_end; --lr for a constant one)")
     ap.add_argument("--beta", type=float, default=defaults.ddp_beta, help="DDP augmented-Lagrangian penalty")
     ap.add_argument("--beta-start", type=float, default=defaults.ddp_beta_start, help="β rises geometrically from this to --beta")
     ap.add_argument("--ddp-start", default=defaults.ddp_start, choices=["baseline", "dense"])

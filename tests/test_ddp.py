@@ -294,5 +294,6 @@ def test_a_run_at_another_training_length_gets_its_own_checkpoint(tiny_dirs, tex
                                       ddp_seq_len=seq, log=lambda *_: None))
         ddp = res["manifest"]["method"]["ddp"]
         assert ddp["seq_len"] == seq and ddp["resumed_from_step"] == 0
+        assert ddp["layer_shape"] and ddp["lr_end"] == ddp["lr"] / 10  # the uniform layout's defaults
         ckpts.append(ddp["checkpoint"])
     assert ckpts[0] != ckpts[1]
