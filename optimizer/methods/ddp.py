@@ -21,6 +21,8 @@ back); μ_t anneals geometrically from 1 so s approaches the step 1[z > 0]:
     λ     ← [λ + β c]₊                              (dual ascent, every step: the inequality
                                                      form of the augmented Lagrangian, c ≤ 0)
 The teacher is the same frozen model with gates switched off (no second copy of weights).
+Adam steps at lr, or along a cosine from lr to lr_end: held to one shape (the uniform layout),
+gates that have stopped moving are the model that ships.
 
 Observe = `step(batch)` (one optimisation step); decide = `decide(shape)` for a uniform
 shape, or `budget_masks()` for per-layer shapes meeting the budget exactly.
