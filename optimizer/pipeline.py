@@ -84,8 +84,8 @@ class OptimizeConfig:
     ddp_project_uniform: bool = False  # uniform layout: train the gates projected onto the baseline's shape
     # Uniform layout: hold every layer to the baseline's shape (DDPConfig.layer_shape). Exporting
     # gates trained under one model-wide budget cut every layer back to one shape, which cost more
-    # the further training had moved units between layers (SmolLM2: 32.17 / 39.95 / 105.59 with
-    # it, 33.83 / 44.54 / 102.33 without).
+    # the further training had moved units between layers (SmolLM2, at a constant learning rate:
+    # 32.17 / 39.95 / 105.59 with it, 33.83 / 44.54 / 102.33 without).
     ddp_layer_budget: bool = True
     resume: bool = False
     checkpoint_every: int = 25
@@ -453,7 +453,7 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
 
 def _ddp_lr_end(cfg, layer_budget: bool) -> float | None:
     if cfg.ddp_lr_end is not None:
-        return None if cfg.ddp_lr_end == cfg.ddp_lr else cfg.ddp_lr_end
+        return cfg.ddp_lr_end
     return cfg.ddp_lr / 10 if layer_budget else None
 
 

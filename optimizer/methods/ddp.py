@@ -213,17 +213,19 @@ class DDP:
         t = min(1.0, max(0.0, self.step_count - start) / max(1, self.cfg.steps - 1 - start))
         return self.cfg.mu_start * (self.cfg.mu_end / self.cfg.mu_start) ** t
 
+    def progress(self) -> float:
+        """How far the run is, 0 at the first step to 1 at the last: β's, γ's and lr's schedules."""
+        return min(1.0, self.step_count / max(1, self.cfg.steps - 1))
+
     def beta(self) -> float:
         if self.cfg.beta_start is None:
             return self.cfg.beta
-        t = self.step_count / max(1, self.cfg.steps - 1)
-        return self.cfg.beta_start * (self.cfg.beta / self.cfg.beta_start) ** t
+        return self.cfg.beta_start * (self.cfg.beta / self.cfg.beta_start) ** self.progress()
 
     def lr(self) -> float:
         if self.cfg.lr_end is None:
             return self.cfg.lr
-        t = self.step_count / max(1, self.cfg.steps - 1)
-        return self.cfg.lr_end + (self.cfg.lr - self.cfg.lr_end) * (1 + math.cos(math.pi * t)) / 2
+        return self.cfg.lr_end + (self.cfg.lr - self.cfg.lr_end) * (1 + math.cos(math.pi * self.progress())) / 2
 
     def _adam_step(self) -> None:
         for group in self.opt.param_groups:
@@ -282,7 +284,7 @@ class DDP:
             c_budget, beta = self.layer_excess(mu), beta * self.layers
         else:
             c_budget = c
-        gamma = cfg.gamma * min(1.0, self.step_count / max(1, cfg.steps - 1))
+        gamma = cfg.gamma * self.progress()
         # The inequality form of the augmented Lagrangian (retention at most the target): λ ≥ 0,
         # so a start under the budget invites no units back beyond what KD asks for. With the
         # equality form λ went negative from the baseline start, pulled units back in, and the

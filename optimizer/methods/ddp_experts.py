@@ -41,6 +41,7 @@ class ExpertGates:
     target = DDP.target  # the retention target falls from 1 to cfg.retain over the warm-up
     warmed_up = DDP.warmed_up
     descend = DDP.descend  # budget + binarisation + Adam step + dual ascent, as for heads and channels
+    progress = DDP.progress
     beta = DDP.beta
     lr = DDP.lr
     _adam_step = DDP._adam_step
