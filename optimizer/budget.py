@@ -14,7 +14,7 @@ from optimizer.adapters import BlockShape, DecoderAdapter
 
 def channel_multiple(intermediate_size: int) -> int:
     # GPU GEMMs tile in 64/128; tiny test models need finer steps.
-    return 32 if intermediate_size >= 1024 else 8 if intermediate_size >= 64 else 1
+    return 64 if intermediate_size >= 1024 else 8 if intermediate_size >= 64 else 1
 
 
 def block_cost(costs: tuple, shape: BlockShape) -> float:
