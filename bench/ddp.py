@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--beta-start", type=float, default=defaults.ddp_beta_start, help="β rises geometrically from this to --beta")
     ap.add_argument("--ddp-start", default=defaults.ddp_start, choices=["baseline", "dense"])
     ap.add_argument("--eval-windows", default="all")
-    ap.add_argument("--calib-windows", type=int, default=8, help="windows of 2048 for the importance and DDP training")
+    ap.add_argument("--calib-windows", type=int, default=8, help="windows of 2048 for the one-shot importance, so DDP's start; DDP trains on the whole file but its last window")
     ap.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="calibration and DDP KD passes (auto: bf16 where the CPU has it natively)")
     ap.add_argument("--seed", type=int, default=defaults.seed, help="DDP's batch order")

@@ -44,7 +44,7 @@ def one_line_errors(fn):
               help="Precision of an ONNX package (float16 is for GPU execution providers).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and the predicted speedup, then stop.")
 @click.option("--engine-version", help="vLLM version the package will be served with (default: installed, else 0.32.0).")
-@click.option("--calib-windows", default=16, show_default=True, help="Calibration windows of --seq-len tokens.")
+@click.option("--calib-windows", default=16, show_default=True, help="Calibration windows of --seq-len tokens for the one-shot statistics (and --refit); DDP trains on the whole calibration text but its last window, held out.")
 @click.option("--eval-windows", default="16", show_default=True, help="Evaluation windows, or 'all'.")
 @click.option("--seq-len", default=2048, show_default=True)
 @click.option("--seed", default=0, show_default=True)

@@ -56,7 +56,7 @@ class OptimizeConfig:
     format: str = "vllm"              # vllm | onnx
     onnx_dtype: str = "float32"       # float32 | float16 (ONNX packages)
     engine_version: str | None = None
-    calib_windows: int = 16
+    calib_windows: int = 16           # windows the one-shot statistics and --refit read; DDP trains on all but the held-out one
     eval_windows: int | None = 16     # None = every window of the eval text
     seq_len: int = 2048
     max_model_len: int = 2048
