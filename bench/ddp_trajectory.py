@@ -1,0 +1,118 @@
+"""DDP's export along its training (issue 3): is the last step where the gates are best?
+
+    .venv/bin/python bench/ddp_trajectory.py --retain 0.8 --every 10
+
+Runs the same training as `bench/ddp.py` (one level, one layout, the product's defaults unless
+flags say otherwise) and, every `--every` steps, cuts the package's masks from the gates as they
+stand (`decide` at the shape training is held to, or `budget_masks` per layer) and measures them:
+perplexity on the first `--eval-windows` WikiText-2 test windows, and the loss on the calibration
+window the pipeline holds out (the text a run could use to pick its step). Also the training step's
+own KD loss. Writes trajectory-{layout}-r{retain}.json and .md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from optimizer import data, evaluate  # noqa: E402
+from optimizer.methods.ddp import DDP  # noqa: E402
+from optimizer.pipeline import OptimizeConfig, optimize  # noqa: E402
+from optimizer.surgery import masked  # noqa: E402
+
+
+def main() -> None:
+    defaults = OptimizeConfig()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--retain", type=float, required=True)
+    ap.add_argument("--layout", default="uniform", choices=["uniform", "per-layer"])
+    ap.add_argument("--every", type=int, default=10, help="measure every this many steps")
+    ap.add_argument("--eval-windows", type=int, default=4, help="test windows of 2048 per measurement")
+    ap.add_argument("--steps", type=int, default=defaults.ddp_steps)
+    ap.add_argument("--batch", type=int, default=defaults.ddp_batch)
+    ap.add_argument("--lr", type=float, default=defaults.ddp_lr)
+    ap.add_argument("--lr-end", type=float, default=defaults.ddp_lr_end)
+    ap.add_argument("--seed", type=int, default=defaults.seed)
+    ap.add_argument("--calib-windows", type=int, default=8)
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ddp-probes" / "trajectory"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    data_dir, out = Path(args.data), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    points, windows = [], {}
+    train_step = DDP.step
+
+    def step(ddp: DDP, input_ids: torch.Tensor) -> dict:
+        lr = ddp.lr()  # the rate this step takes
+        stats = train_step(ddp, input_ids)
+        if ddp.step_count % args.every == 0 or ddp.step_count == ddp.cfg.steps or ddp.step_count == 1:
+            points.append({"step": ddp.step_count, "kd": stats["kd"], "lr": lr, **measure(ddp, windows)})
+            print(f"step {points[-1]['step']}: " + ", ".join(f"{k} {v:.4g}" for k, v in points[-1].items() if k != "step"),
+                  flush=True)
+        return stats
+
+    DDP.step = step
+    from transformers import AutoTokenizer  # noqa: E402
+    from optimizer import load  # noqa: E402
+    tok = AutoTokenizer.from_pretrained(load.resolve(None).hf_dir)
+    windows["test"] = data.token_windows(tok, data.read_text_file(data_dir / "wikitext2-raw-test.txt").text, 2048,
+                                         args.eval_windows)
+    windows["held_out"] = data.token_windows(tok, data.read_text_file(data_dir / "wikitext2-valid.txt").text, 2048)[-1:]
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        m = optimize(OptimizeConfig(
+            target="a100", method="ddp", retain=args.retain, layout=args.layout,
+            calib=str(data_dir / "wikitext2-valid.txt"), eval=str(data_dir / "wikitext2-raw-test.txt"),
+            out=str(Path(tmp) / "pkg"), calib_windows=args.calib_windows, seq_len=2048, ddp_steps=args.steps,
+            ddp_batch=args.batch, ddp_lr=args.lr, ddp_lr_end=args.lr_end, seed=args.seed, threads=args.threads,
+            eval_windows=16))["manifest"]
+    result = {"retain": args.retain, "layout": args.layout, "training": m["method"]["ddp"],
+              "package_ppl_16_windows": m["quality"]["perplexity"]["pruned"], "eval_windows": args.eval_windows,
+              "points": points, "wall_s": round(time.time() - started, 1), "command": " ".join(sys.argv)}
+    stem = out / f"trajectory-{args.layout}-r{args.retain:.2f}"
+    Path(f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    Path(f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+def measure(ddp: DDP, windows: dict) -> dict:
+    """The package's masks cut from the gates as they stand, on the test and held-out windows."""
+    shape = ddp.layer_shape or ddp.shape
+    masks = ddp.decide(shape) if shape is not None else ddp.budget_masks()
+    ddp.gates.enabled = False
+    try:
+        with torch.inference_mode(), masked(ddp.model, ddp.adapter, masks):
+            ppl = evaluate.perplexity(ddp.model, windows["test"], "test")
+            held = evaluate.perplexity(ddp.model, windows["held_out"], "held out")
+    finally:
+        ddp.gates.enabled = True
+    return {"test_ppl": ppl, "held_out_ppl": held}
+
+
+def markdown(r: dict) -> str:
+    t = r["training"]
+    lines = [f"# DDP's {r['layout']} export along training, retention {r['retain']}", "",
+             f"{t['steps']} steps × {t['batch']} × {t['seq_len']} tokens, lr {t['lr']} → {t['lr_end']}, seed {t['seed']}. "
+             f"Test PPL on {r['eval_windows']} × 2048 WikiText-2 test tokens; held-out PPL on the calibration window the "
+             f"pipeline holds out; the package at the last step measured {r['package_ppl_16_windows']:.2f} on 16 test "
+             f"windows. `{r['command']}`", "",
+             "| step | lr | KD (training step) | held-out PPL | test PPL |", "|---:|---:|---:|---:|---:|"]
+    for p in r["points"]:
+        lines.append(f"| {p['step']} | {p['lr']:.4f} | {p['kd']:.3f} | {p['held_out_ppl']:.2f} | {p['test_ppl']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
