@@ -180,6 +180,25 @@ def test_a_baseline_start_is_the_baseline_masked_model_and_removed_units_still_l
     assert removed.any() and (ddp.gates.channel.grad[removed] != 0).any()
 
 
+def test_the_kd_gradient_accumulated_a_sequence_at_a_time_is_the_whole_batch_s():
+    """kd_backward bounds memory by one sequence; the gradient and the loss must be the batch's."""
+    from optimizer.methods.ddp import kd_backward, kd_loss
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    data = torch.randint(0, model.config.vocab_size, (3, 32), generator=torch.Generator().manual_seed(0))
+    ddp = DDP(model, adapter, DDPConfig(retain=0.6, steps=4, warmup=0.0), UnitCosts.params(adapter, model.config))
+    ddp.start_from(_baseline_masks(model, adapter, data, 0.6))
+    whole = kd_loss(model, ddp.gates, data)
+    whole.backward()
+    grads = [p.grad.clone() for p in ddp.gates.parameters()]
+    ddp.gates.zero_grad(set_to_none=True)
+    kd = kd_backward(model, ddp.gates, data)
+    assert kd == pytest.approx(whole.item(), rel=1e-5)
+    for p, g in zip(ddp.gates.parameters(), grads):
+        assert g.abs().max() > 0
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-7)
+
+
 def test_budget_masks_keep_equally_many_heads_in_every_kept_group():
     """Found on SmolLM2: trained gates left 2 heads in one KV group and 3 in another, which
     no engine (and not our surgery) can load; the per-layer masks must equalise them."""

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optimizer.errors import UserError
-from optimizer.methods.ddp import DDP, DDPConfig, kd_loss
+from optimizer.methods.ddp import DDP, DDPConfig, kd_backward
 from optimizer.moe_surgery import as_moe_adapter, moe_parts, route_hook, scale_hook
 
 
@@ -88,7 +88,8 @@ class ExpertGates:
     # --- observe: one optimisation step per batch ---------------------------------------------
     def step(self, input_ids: torch.Tensor) -> dict:
         mu = self.mu()
-        return self.descend(kd_loss(self.model, self, input_ids, self.cfg.dtype), self.scores(mu), mu)
+        self.opt.zero_grad(set_to_none=True)
+        return self.descend(kd_backward(self.model, self, input_ids, self.cfg.dtype), self.scores(mu), mu)
 
     # --- decide -------------------------------------------------------------------------------
     def values(self) -> torch.Tensor:
