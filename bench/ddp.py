@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--budget", default="params", choices=["params", "latency"])
     ap.add_argument("--target", default="a100")
     ap.add_argument("--steps", type=int, default=defaults.ddp_steps, help="DDP gate-training steps")
-    ap.add_argument("--batch", type=int, default=defaults.ddp_batch, help="DDP sequences (of --seq-len tokens) per step")
+    ap.add_argument("--batch", type=int, default=defaults.ddp_batch, help="DDP sequences (of --seq-len tokens) per step (default: by layout, OptimizeConfig.ddp_batch)")
     ap.add_argument("--seq-len", type=int, default=defaults.ddp_seq_len, help="DDP training sequence length, divides 2048")
     ap.add_argument("--lr", type=float, default=defaults.ddp_lr, help="DDP gate learning rate (Adam)")
     ap.add_argument("--lr-end", type=float, default=defaults.ddp_lr_end, help="the learning rate falls along a cosine to this (default: by layout, OptimizeConfig.ddp_lr_end; --lr for a constant one)")

@@ -69,7 +69,11 @@ class OptimizeConfig:
     # sequences and a looser budget won at every level (SmolLM2-135M per layer, before the budget
     # fill: 29.80 / 36.77 / 63.19 at 0.8 / 0.7 / 0.5, against 32.51 / 41.74 / 79.06 at 2 × 256
     # tokens and β = 50).
-    ddp_batch: int = 1                 # DDP sequences per step
+    # None: by layout (_ddp_by_layout). Held to one shape (the uniform layout's layer budget),
+    # 2 sequences a step: SmolLM2 36.41 / 74.05 at 0.7 / 0.5 against 39.61 / 80.81 with 1, for
+    # twice the training time (4 gave 29.05 at 0.8, ½ the baseline's excess, in 4×: README).
+    # Per layer 1, the runs its figures come from.
+    ddp_batch: int | None = None       # DDP sequences per step
     ddp_seq_len: int = 1024            # DDP training sequence length (the whole window where it does not divide seq_len)
     ddp_start: str = "baseline"       # DDP: gates start at the one-shot baseline's selection | dense (the paper's)
     ddp_lr: float = 0.05
@@ -118,7 +122,7 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError(f"--layout per-layer writes vLLM packages only, not --format {cfg.format}")
     if cfg.ddp_start not in ("baseline", "dense"):
         raise UserError(f"--ddp-start must be baseline or dense, got {cfg.ddp_start!r}")
-    if min(cfg.ddp_steps, cfg.ddp_batch, cfg.ddp_seq_len) < 1:
+    if min(cfg.ddp_steps, 1 if cfg.ddp_batch is None else cfg.ddp_batch, cfg.ddp_seq_len) < 1:
         raise UserError("--steps, the DDP batch and its sequence length must be >= 1")
     if not (cfg.ddp_lr > 0 and (cfg.ddp_lr_end is None or cfg.ddp_lr_end >= 0) and cfg.ddp_beta > 0 and (cfg.ddp_beta_start is None or cfg.ddp_beta_start > 0)):
         raise UserError("the DDP learning rate and β (and β's start) must be > 0, the learning rate's end >= 0")
@@ -413,8 +417,9 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
     # got here").
     projected = cfg.ddp_project_uniform and baseline_start and cfg.layout == "uniform"
     layer_budget = cfg.ddp_layer_budget and baseline_start and cfg.layout == "uniform" and not projected
-    ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=cfg.ddp_batch, seed=cfg.seed,
-                        lr=cfg.ddp_lr, lr_end=_ddp_lr_end(cfg, layer_budget), beta=cfg.ddp_beta, beta_start=cfg.ddp_beta_start, warmup=0.0 if baseline_start else 0.5,
+    batch, lr_end = _ddp_by_layout(cfg, layer_budget)
+    ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp_steps, batch=batch, seed=cfg.seed,
+                        lr=cfg.ddp_lr, lr_end=lr_end, beta=cfg.ddp_beta, beta_start=cfg.ddp_beta_start, warmup=0.0 if baseline_start else 0.5,
                         dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."),
                         shape=dict(start["shape"]) if projected else None,
                         layer_shape=dict(start["shape"]) if layer_budget else None)
@@ -451,10 +456,12 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
     return ddp, detail
 
 
-def _ddp_lr_end(cfg, layer_budget: bool) -> float | None:
-    if cfg.ddp_lr_end is not None:
-        return cfg.ddp_lr_end
-    return cfg.ddp_lr / 10 if layer_budget else None
+def _ddp_by_layout(cfg, layer_budget: bool) -> tuple[int, float | None]:
+    """(sequences a step, the learning rate's end) where the config leaves them to the layout:
+    held to one shape, 2 and a cosine to lr / 10; per layer, 1 and a constant rate."""
+    batch = cfg.ddp_batch if cfg.ddp_batch is not None else 2 if layer_budget else 1
+    lr_end = cfg.ddp_lr_end if cfg.ddp_lr_end is not None else cfg.ddp_lr / 10 if layer_budget else None
+    return batch, lr_end
 
 
 def _ddp_checkpoint(run: list) -> Path:

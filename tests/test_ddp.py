@@ -309,10 +309,11 @@ def test_a_run_at_another_training_length_gets_its_own_checkpoint(tiny_dirs, tex
     for seq in (32, 64):
         res = optimize(OptimizeConfig(model=str(tiny_dirs["llama"]), target="a100", method="ddp", retain=0.6,
                                       calib=str(text_file), eval=str(text_file), out=str(tmp_path / f"p{seq}"),
-                                      calib_windows=2, eval_windows=1, seq_len=64, ddp_steps=2, ddp_batch=1,
+                                      calib_windows=2, eval_windows=1, seq_len=64, ddp_steps=2,
                                       ddp_seq_len=seq, log=lambda *_: None))
         ddp = res["manifest"]["method"]["ddp"]
         assert ddp["seq_len"] == seq and ddp["resumed_from_step"] == 0
-        assert ddp["layer_shape"] and ddp["lr_end"] == ddp["lr"] / 10  # the uniform layout's defaults
+        # the uniform layout's defaults (OptimizeConfig.ddp_batch, ddp_lr_end)
+        assert ddp["layer_shape"] and ddp["lr_end"] == ddp["lr"] / 10 and ddp["batch"] == 2
         ckpts.append(ddp["checkpoint"])
     assert ckpts[0] != ckpts[1]

@@ -217,6 +217,7 @@ def test_cli_per_layer_end_to_end(tiny_dirs, text_file, tmp_path):
     assert meth["layout"] == "per-layer" and meth["format"] in ("decilm", "plugin") and meth["format_reason"]
     assert len(meth["layer_shapes"]) == 2 and 0.55 < meth["retain_achieved"] <= 0.6
     assert meth["ddp"]["lr_end"] is None  # per layer the learning rate stays constant (OptimizeConfig.ddp_lr_end)
+    assert meth["ddp"]["batch"] == 1      # and a step takes one sequence (OptimizeConfig.ddp_batch)
     assert m["engine"]["package_format"] == meth["format"]
     assert m["checks"]["masked_vs_pruned_max_abs_logit_diff"] < 1e-3
     assert m["size"]["params_pruned"] < m["size"]["params_dense"]
