@@ -79,7 +79,7 @@ class OptimizeConfig:
     ddp_lr: float = 0.05
     # None: by layout. Held to one shape (the uniform layout's layer budget), the learning rate
     # falls along a cosine to lr / 10: SmolLM2 30.60 / 39.61 / 80.81 at 0.8 / 0.7 / 0.5, against
-    # 32.17 / 39.95 / 105.59 at a constant one. Per layer it stays constant: where the final cut
+    # 32.17 / 39.95 / 105.59 at a constant one (both at 1 sequence a step). Per layer it stays constant: where the final cut
     # to the budget depends on where the multiplier's swing ends, a cosine to 0 cost 0.7 and 0.5
     # (38.38 / 117.04 against 35.15 / 57.91). Set it to ddp_lr for a constant rate.
     ddp_lr_end: float | None = None
