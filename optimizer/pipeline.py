@@ -70,9 +70,9 @@ class OptimizeConfig:
     # fill: 29.80 / 36.77 / 63.19 at 0.8 / 0.7 / 0.5, against 32.51 / 41.74 / 79.06 at 2 × 256
     # tokens and β = 50).
     # None: by layout (_ddp_by_layout). Held to one shape (the uniform layout's layer budget),
-    # 2 sequences a step: SmolLM2 36.41 / 74.05 at 0.7 / 0.5 against 39.61 / 80.81 with 1, for
-    # twice the training time (4 gave 29.05 at 0.8, ½ the baseline's excess, in 4×: README).
-    # Per layer 1, the runs its figures come from.
+    # 2 sequences a step: SmolLM2 29.94 / 36.41 / 74.05 at 0.8 / 0.7 / 0.5 against 30.60 / 39.61 /
+    # 80.81 with 1, for twice the training time; 4 gave 29.05 / 35.24 at 0.8 / 0.7, within ½ the
+    # baseline's excess at both, for four times (README). Per layer 1, the runs its figures are from.
     ddp_batch: int | None = None       # DDP sequences per step
     ddp_seq_len: int = 1024            # DDP training sequence length (the whole window where it does not divide seq_len)
     ddp_start: str = "baseline"       # DDP: gates start at the one-shot baseline's selection | dense (the paper's)
