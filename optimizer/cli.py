@@ -53,7 +53,7 @@ def one_line_errors(fn):
               help="What --retain counts: parameters, or the target's predicted latency.")
 @click.option("--layout", default="uniform", show_default=True,
               help="uniform: same shape every layer (plain config); per-layer (--method ddp): DeciLM or plugin package.")
-@click.option("--steps", default=80, show_default=True, help="DDP gate-training steps (1 × 1024 tokens each).")
+@click.option("--steps", default=80, show_default=True, help="DDP gate-training steps, each on 1024-token pieces: 4 a step in the uniform layout (from the baseline start), otherwise 1.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted DDP run from its checkpoint.")
 @click.option("--ddp-start", default="baseline", show_default=True, type=click.Choice(["baseline", "dense"]),
               help="DDP gates start at the one-shot baseline's selection (refined from there), or dense (the paper's).")

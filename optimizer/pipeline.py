@@ -70,9 +70,10 @@ class OptimizeConfig:
     # fill: 29.80 / 36.77 / 63.19 at 0.8 / 0.7 / 0.5, against 32.51 / 41.74 / 79.06 at 2 × 256
     # tokens and β = 50).
     # None: by layout (_ddp_by_layout). Held to one shape (the uniform layout's layer budget),
-    # 2 sequences a step: SmolLM2 29.94 / 36.41 / 74.05 at 0.8 / 0.7 / 0.5 against 30.60 / 39.61 /
-    # 80.81 with 1, for twice the training time; 4 gave 29.05 / 35.24 at 0.8 / 0.7, within ½ the
-    # baseline's excess at both, for four times (README). Per layer 1, the runs its figures are from.
+    # 4 sequences a step: SmolLM2 29.05 / 35.24 / 74.82 at 0.8 / 0.7 / 0.5, within ½ the baseline's
+    # excess at every level, where 2 gave 29.94 / 36.41 / 74.05 and 1 gave 30.60 / 39.61 / 80.81
+    # (README); a step costs its sequences, so training takes 4 times as long as at 1 (about 15
+    # minutes on 2 cores). Per layer 1, the runs its figures are from.
     ddp_batch: int | None = None       # DDP sequences per step
     ddp_seq_len: int = 1024            # DDP training sequence length (the whole window where it does not divide seq_len)
     ddp_start: str = "baseline"       # DDP: gates start at the one-shot baseline's selection | dense (the paper's)
@@ -458,8 +459,8 @@ def _observe_ddp(cfg, model, adapter, train: torch.Tensor, held_out: torch.Tenso
 
 def _ddp_by_layout(cfg, layer_budget: bool) -> tuple[int, float | None]:
     """(sequences a step, the learning rate's end) where the config leaves them to the layout:
-    held to one shape, 2 and a cosine to lr / 10; per layer, 1 and a constant rate."""
-    batch = cfg.ddp_batch if cfg.ddp_batch is not None else 2 if layer_budget else 1
+    held to one shape, 4 and a cosine to lr / 10; per layer, 1 and a constant rate."""
+    batch = cfg.ddp_batch if cfg.ddp_batch is not None else 4 if layer_budget else 1
     lr_end = cfg.ddp_lr_end if cfg.ddp_lr_end is not None else cfg.ddp_lr / 10 if layer_budget else None
     return batch, lr_end
 

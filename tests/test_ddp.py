@@ -314,6 +314,6 @@ def test_a_run_at_another_training_length_gets_its_own_checkpoint(tiny_dirs, tex
         ddp = res["manifest"]["method"]["ddp"]
         assert ddp["seq_len"] == seq and ddp["resumed_from_step"] == 0
         # the uniform layout's defaults (OptimizeConfig.ddp_batch, ddp_lr_end)
-        assert ddp["layer_shape"] and ddp["lr_end"] == ddp["lr"] / 10 and ddp["batch"] == 2
+        assert ddp["layer_shape"] and ddp["lr_end"] == ddp["lr"] / 10 and ddp["batch"] == 4
         ckpts.append(ddp["checkpoint"])
     assert ckpts[0] != ckpts[1]
