@@ -12,8 +12,7 @@ Levels run as separate processes (one per core) write separate files
 Same data protocol as bench/spine.py: calibration (and DDP training text) from WikiText-2
 validation, perplexity on WikiText-2 raw test in 2048-token windows (--eval-windows). For each
 retention: the baseline (--method activation), DDP exported per layer (its natural result), and
-DDP trained for the uniform layout (by default every layer held to the baseline's shape,
---layer-budget; --project-uniform trains the gates projected onto that shape instead);
+DDP trained for the uniform layout (every layer held to the baseline's shape);
 their perplexities, DDP's training tokens, wall time and peak memory. Writes
 bench/results/ddp/ddp-{budget}-r*.json and ddp-{budget}.md;
 serve them with `bench PACKAGE --baseline embedded` for the speed ratios.
@@ -33,24 +32,23 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from optimizer.pipeline import OptimizeConfig, optimize  # noqa: E402
+from optimizer.pipeline import DataConfig, DDPSettings, OptimizeConfig, RefitSettings, optimize  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = OptimizeConfig()  # the product's defaults, so a bench run measures what users get
+    ddp_defaults = defaults.ddp
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     ap.add_argument("--retain", type=float, nargs="+", default=[0.8, 0.7, 0.5])
     ap.add_argument("--budget", default="params", choices=["params", "latency"])
     ap.add_argument("--target", default="a100")
-    ap.add_argument("--steps", type=int, default=defaults.ddp_steps, help="DDP gate-training steps")
-    ap.add_argument("--batch", type=int, default=defaults.ddp_batch, help="DDP sequences (of --seq-len tokens) per step (default: by layout, OptimizeConfig.ddp_batch)")
-    ap.add_argument("--seq-len", type=int, default=defaults.ddp_seq_len, help="DDP training sequence length, divides 2048")
-    ap.add_argument("--lr", type=float, default=defaults.ddp_lr, help="DDP gate learning rate (Adam)")
-    ap.add_argument("--lr-end", type=float, default=defaults.ddp_lr_end, help="the learning rate falls along a cosine to this (default: by layout, OptimizeConfig.ddp_lr_end; --lr for a constant one)")
-    ap.add_argument("--beta", type=float, default=defaults.ddp_beta, help="DDP augmented-Lagrangian penalty")
-    ap.add_argument("--beta-start", type=float, default=defaults.ddp_beta_start, help="β rises geometrically from this to --beta")
-    ap.add_argument("--ddp-start", default=defaults.ddp_start, choices=["baseline", "dense"])
+    ap.add_argument("--steps", type=int, default=ddp_defaults.steps, help="DDP gate-training steps")
+    ap.add_argument("--batch", type=int, default=ddp_defaults.batch, help="DDP sequences (of --seq-len tokens) per step (default: by layout, DDPSettings.by_layout)")
+    ap.add_argument("--seq-len", type=int, default=ddp_defaults.seq_len, help="DDP training sequence length, divides 2048")
+    ap.add_argument("--lr", type=float, default=ddp_defaults.lr, help="DDP gate learning rate (Adam)")
+    ap.add_argument("--lr-end", type=float, default=ddp_defaults.lr_end, help="the learning rate falls along a cosine to this (default: by layout, DDPSettings.by_layout; --lr for a constant one)")
+    ap.add_argument("--beta", type=float, default=ddp_defaults.beta, help="DDP augmented-Lagrangian penalty")
     ap.add_argument("--eval-windows", default="all")
     ap.add_argument("--calib-windows", type=int, default=8, help="windows of 2048 for the one-shot importance, so DDP's start; DDP trains on the whole file but its last window")
     ap.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -60,9 +58,6 @@ def main() -> None:
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--resume", action="store_true",
                     help="continue (or reuse, if finished) a training of the same settings from its checkpoint")
-    ap.add_argument("--project-uniform", action="store_true", help="train the uniform layout's own gates, projected onto the baseline's shape")
-    ap.add_argument("--layer-budget", action=argparse.BooleanOptionalAction, default=defaults.ddp_layer_budget,
-                    help="uniform layout: hold every layer to the baseline's shape, one multiplier per layer and kind")
     ap.add_argument("--refit", action="store_true",
                     help="every row (baseline too) with the least-squares refit of the kept o_proj / down_proj columns")
     ap.add_argument("--layouts", nargs="+", default=["per-layer", "uniform"], choices=["per-layer", "uniform"])
@@ -75,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     protocol = {"target": args.target, "budget": args.budget, "steps": args.steps, "batch": args.batch,
                 "seq_len": args.seq_len, "lr": args.lr, "lr_end": args.lr_end,
-                "beta": args.beta, "beta_start": args.beta_start, "project_uniform": args.project_uniform, "layer_budget": args.layer_budget, "ddp_start": args.ddp_start, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
+                "beta": args.beta, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
                 "calib_dtype": args.calib_dtype, "refit": args.refit,
                 "eval": str(data / "wikitext2-raw-test.txt"), "eval_windows": args.eval_windows,
                 "torch_threads": args.threads, "seed": args.seed, "command": " ".join(sys.argv)}
@@ -89,14 +84,14 @@ def main() -> None:
             shutil.rmtree(pkg, ignore_errors=True)
             t0 = time.time()
             m = optimize(OptimizeConfig(
-                target=args.target, method=method, retain=retain, budget=args.budget, layout=layout,
-                calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
-                out=str(pkg), calib_windows=args.calib_windows, ddp_steps=args.steps, ddp_batch=args.batch, seq_len=2048,
-                ddp_seq_len=args.seq_len, ddp_lr=args.lr, ddp_lr_end=args.lr_end,
-                threads=args.threads, seed=args.seed, ddp_start=args.ddp_start, ddp_beta=args.beta, ddp_beta_start=args.beta_start,
-                ddp_project_uniform=args.project_uniform, ddp_layer_budget=args.layer_budget, calib_dtype=args.calib_dtype, refit=args.refit,
-                resume=args.resume,
-                eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)))["manifest"]
+                target=args.target, method=method, retain=retain, budget=args.budget, layout=layout, out=str(pkg),
+                data=DataConfig(calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
+                                seq_len=2048, calib_windows=args.calib_windows,
+                                eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)),
+                ddp=DDPSettings(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, lr_end=args.lr_end,
+                                beta=args.beta),
+                threads=args.threads, seed=args.seed, calib_dtype=args.calib_dtype,
+                refit=RefitSettings() if args.refit else None, resume=args.resume))["manifest"]
             q = m["quality"]["perplexity"]
             # Runs of one level may come from separate processes (--layouts): read the file
             # again just before writing this run's row into it, so none is lost; newest wins.
@@ -132,7 +127,7 @@ def _markdown(results: dict) -> str:
     lines = [f"# DDP vs one-shot structured baseline ({p['budget']} budget, target {p['target']}){refit}", "",
              f"Perplexity on {Path(p['eval']).name} ({p['eval_windows']} windows of 2048); DDP trained "
              f"on {Path(p['calib']).name} (β, steps × sequences × tokens per step per row), starting from "
-             f"the {p['ddp_start']} selection; torch threads {p['torch_threads']}. Each DDP row is its own "
+             f"the {p.get('ddp_start', 'baseline')} selection; torch threads {p['torch_threads']}. Each DDP row is its own "
              "training unless its train wall says \"same gates\" (a finished checkpoint re-exported with --resume).", "",
              "| retain | method | β, steps × batch × seq (KD passes if not bf16) | shape (heads/KV/MLP) | achieved | PPL | excess PPL | DDP excess / baseline | "
              "train tokens | train wall | peak RSS |",

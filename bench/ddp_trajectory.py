@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from optimizer import data, evaluate  # noqa: E402
 from optimizer.methods.ddp import DDP  # noqa: E402
-from optimizer.pipeline import OptimizeConfig, optimize  # noqa: E402
+from optimizer.pipeline import DataConfig, DDPSettings, OptimizeConfig, optimize  # noqa: E402
 from optimizer.surgery import masked  # noqa: E402
 
 
@@ -37,10 +37,10 @@ def main() -> None:
     ap.add_argument("--layout", default="uniform", choices=["uniform", "per-layer"])
     ap.add_argument("--every", type=int, default=10, help="measure every this many steps")
     ap.add_argument("--eval-windows", type=int, default=4, help="test windows of 2048 per measurement")
-    ap.add_argument("--steps", type=int, default=defaults.ddp_steps)
-    ap.add_argument("--batch", type=int, default=defaults.ddp_batch)
-    ap.add_argument("--lr", type=float, default=defaults.ddp_lr)
-    ap.add_argument("--lr-end", type=float, default=defaults.ddp_lr_end)
+    ap.add_argument("--steps", type=int, default=defaults.ddp.steps)
+    ap.add_argument("--batch", type=int, default=defaults.ddp.batch)
+    ap.add_argument("--lr", type=float, default=defaults.ddp.lr)
+    ap.add_argument("--lr-end", type=float, default=defaults.ddp.lr_end)
     ap.add_argument("--seed", type=int, default=defaults.seed)
     ap.add_argument("--calib-windows", type=int, default=8)
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
@@ -73,11 +73,11 @@ def main() -> None:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         m = optimize(OptimizeConfig(
-            target="a100", method="ddp", retain=args.retain, layout=args.layout,
-            calib=str(data_dir / "wikitext2-valid.txt"), eval=str(data_dir / "wikitext2-raw-test.txt"),
-            out=str(Path(tmp) / "pkg"), calib_windows=args.calib_windows, seq_len=2048, ddp_steps=args.steps,
-            ddp_batch=args.batch, ddp_lr=args.lr, ddp_lr_end=args.lr_end, seed=args.seed, threads=args.threads,
-            eval_windows=16))["manifest"]
+            target="a100", method="ddp", retain=args.retain, layout=args.layout, out=str(Path(tmp) / "pkg"),
+            data=DataConfig(calib=str(data_dir / "wikitext2-valid.txt"), eval=str(data_dir / "wikitext2-raw-test.txt"),
+                            calib_windows=args.calib_windows, seq_len=2048, eval_windows=16),
+            ddp=DDPSettings(steps=args.steps, batch=args.batch, lr=args.lr, lr_end=args.lr_end),
+            seed=args.seed, threads=args.threads))["manifest"]
     result = {"retain": args.retain, "layout": args.layout, "training": m["method"]["ddp"],
               "package_ppl_16_windows": m["quality"]["perplexity"]["pruned"], "eval_windows": args.eval_windows,
               "points": points, "wall_s": round(time.time() - started, 1), "command": " ".join(sys.argv)}
@@ -89,7 +89,7 @@ def main() -> None:
 
 def measure(ddp: DDP, windows: dict) -> dict:
     """The package's masks cut from the gates as they stand, on the test and held-out windows."""
-    shape = ddp.layer_shape or ddp.shape
+    shape = ddp.layer_shape
     masks = ddp.decide(shape) if shape is not None else ddp.budget_masks()
     ddp.gates.enabled = False
     try:

@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 from optimizer import data, evaluate, load  # noqa: E402
 from optimizer.adapters import get_adapter  # noqa: E402
 from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts  # noqa: E402
-from optimizer.surgery import BlockMask, Masks, masked  # noqa: E402
+from optimizer.masks import BlockMask, Masks  # noqa: E402
+from optimizer.surgery import masked  # noqa: E402
 
 
 def capped(masks: Masks, z_channels: torch.Tensor, width: int, layers) -> Masks:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # `python bench/onnx.py` puts bench/ first on sys.path, where this file would shadow the onnx package.
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from optimizer.pipeline import OptimizeConfig, optimize  # noqa: E402
+from optimizer.pipeline import DataConfig, OptimizeConfig, optimize  # noqa: E402
 
 
 def main() -> None:
@@ -77,9 +77,9 @@ def main() -> None:
         else:
             shutil.rmtree(pkg, ignore_errors=True)
             m = optimize(OptimizeConfig(model=args.model, target=args.target, method="activation", retain=retain,
-                                        calib=str(calib), out=str(pkg), format="onnx",
-                                        calib_windows=args.calib_windows, eval_windows=args.eval_windows,
-                                        seq_len=args.seq_len, threads=args.threads))["manifest"]
+                                        out=str(pkg), format="onnx", threads=args.threads,
+                                        data=DataConfig(calib=str(calib), calib_windows=args.calib_windows,
+                                                        eval_windows=args.eval_windows, seq_len=args.seq_len)))["manifest"]
         c = m["checks"]["onnx"]
         entry = {"retain": retain, "package": str(pkg),
                  "optimize_wall_s": m.get("wall_s") if args.reuse else round(time.time() - t0, 1),

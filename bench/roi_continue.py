@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from optimizer import data, evaluate, load  # noqa: E402
 from optimizer.adapters import get_adapter  # noqa: E402
 from optimizer.methods.roi import RoI, RoIConfig  # noqa: E402
-from optimizer.pipeline import _batch_indices  # noqa: E402
+from optimizer.job import batch_indices  # noqa: E402
 from optimizer.sparsity import parse  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def main() -> None:
     print(trace[-1], flush=True)
     t0, losses = time.time(), []
     for k in tqdm(range(1, args.steps + 1), desc=f"RoI {sparsity}: steps at τ={roi.tau():.2f}, λ={roi.scale():.1f}"):
-        losses.append(roi.step(chunks[_batch_indices(len(chunks), 1, roi.step_count, cfg.seed)])["loss"])
+        losses.append(roi.step(chunks[batch_indices(len(chunks), 1, roi.step_count, cfg.seed)])["loss"])
         if k % args.eval_every == 0 or k == args.steps:
             trace.append({"extra_steps": k, "ppl": ppl(f"hard mask, +{k} steps"),
                           "kd_last10": sum(losses[-10:]) / len(losses[-10:]), "train_s": round(time.time() - t0, 1)})

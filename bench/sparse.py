@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from optimizer import data as data_mod, evaluate, load  # noqa: E402
-from optimizer.pipeline import OptimizeConfig, _dense_perplexity, optimize  # noqa: E402
+from optimizer.job import dense_perplexity  # noqa: E402
+from optimizer.pipeline import DataConfig, OptimizeConfig, RoISettings, SISettings, optimize  # noqa: E402
 from peer_llmcompressor import PEER_RECIPE  # noqa: E402  (bench/ is this script's directory)
 
 DEFAULT_RUNS = ["magnitude:2:4", "wanda:2:4", "sparsegpt:2:4", "si+magnitude:2:4", "si+wanda:2:4",
@@ -55,9 +56,9 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     defaults = OptimizeConfig()  # the product's defaults, so a bench run measures what users get
-    ap.add_argument("--roi-steps", type=int, default=defaults.roi_steps)
-    ap.add_argument("--roi-seq-len", type=int, default=defaults.roi_seq_len, help="RoI: tokens per step (optimize --roi-seq-len)")
-    ap.add_argument("--si-steps", type=int, default=defaults.si_steps)
+    ap.add_argument("--roi-steps", type=int, default=defaults.roi.steps)
+    ap.add_argument("--roi-seq-len", type=int, default=defaults.roi.seq_len, help="RoI: tokens per step (optimize --roi-seq-len)")
+    ap.add_argument("--si-steps", type=int, default=defaults.si.steps)
     ap.add_argument("--seed", type=int, default=defaults.seed, help="optimize --seed (RoI: its noise and data order)")
     ap.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="our calibration passes (optimize --calib-dtype); the peer runs fp32 as it ships")
@@ -102,7 +103,7 @@ def main() -> None:
                            "eval_windows": args.eval_windows, "threads": args.threads, "roi_steps": args.roi_steps,
                            "roi_seq_len": args.roi_seq_len, "seed": args.seed,
                            "si_steps": args.si_steps, "calib_dtype": args.calib_dtype, "command": " ".join(sys.argv)}
-    results["dense_ppl"] = _dense_perplexity(model, evalw, source)
+    results["dense_ppl"] = dense_perplexity(model, evalw, source)
     if not (args.reuse and "si_fast_update" in results):
         results["si_fast_update"] = si_fast_update(model, calib[:4])
     del model
@@ -124,12 +125,13 @@ def main() -> None:
         pkg = work / f"{method}-{pattern.replace(':', 'of')}{'-' + dtype if dtype else ''}"
         shutil.rmtree(pkg, ignore_errors=True)
         r = optimize(OptimizeConfig(target="h100", engine_version="0.18.0", method=method, sparsity=pattern,
-                                    calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
-                                    calib_windows=args.calib_windows, eval_windows=args.eval_windows,
-                                    threads=args.threads, si_steps=args.si_steps, roi_steps=args.roi_steps,
-                                    roi_seq_len=args.roi_seq_len, seed=args.seed, out=str(pkg),
-                                    calib_dtype=dtype or args.calib_dtype,
-                                    log=lambda *a: print(*a, flush=True)))
+                                    data=DataConfig(calib=str(data / "wikitext2-valid.txt"),
+                                                    eval=str(data / "wikitext2-raw-test.txt"),
+                                                    calib_windows=args.calib_windows, eval_windows=args.eval_windows),
+                                    threads=args.threads, si=SISettings(steps=args.si_steps),
+                                    roi=RoISettings(steps=args.roi_steps, seq_len=args.roi_seq_len), seed=args.seed,
+                                    out=str(pkg), calib_dtype=dtype or args.calib_dtype),
+                     log=lambda *a: print(*a, flush=True))
         m = r["manifest"]["method"]
         results["runs"][run] = {"method": method, "sparsity": pattern, "ppl": r["manifest"]["quality"]["perplexity"]["pruned"],
                                 "wall_s": m["wall_s"], "zero_fraction": m["zero_fraction"],

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from optimizer.pipeline import OptimizeConfig, optimize  # noqa: E402
+from optimizer.pipeline import DataConfig, OptimizeConfig, optimize  # noqa: E402
 
 
 def main() -> None:
@@ -61,11 +61,11 @@ def main() -> None:
         pkg = ROOT / "out" / "spine" / f"smollm2-{args.target}-r{retain:.2f}"  # weights stay out of git
         shutil.rmtree(pkg, ignore_errors=True)
         t0 = time.time()
-        res = optimize(OptimizeConfig(target=args.target, method="activation", retain=retain,
-                                      calib=str(calib), eval=str(test),
-                                      out=str(pkg), calib_windows=16,
-                                      eval_windows=None if args.eval_windows == "all" else int(args.eval_windows),
-                                      seq_len=2048, threads=args.threads))
+        res = optimize(OptimizeConfig(target=args.target, method="activation", retain=retain, out=str(pkg),
+                                      data=DataConfig(calib=str(calib), eval=str(test), calib_windows=16, seq_len=2048,
+                                                      eval_windows=None if args.eval_windows == "all"
+                                                      else int(args.eval_windows)),
+                                      threads=args.threads))
         m = res["manifest"]
         results["levels"].append({
             "retain": retain, "package": str(pkg), "optimize_wall_s": round(time.time() - t0, 1),

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -59,21 +57,6 @@ def sparse24_quantization_config(global_sparsity: float) -> dict:
 # What `serve` adds when the installed vLLM has no 2:4 kernel but the package carries the
 # sparsity_config for one: vLLM then reads no quantization config and serves the zeros densely.
 DENSE_FALLBACK_ARGS = ["--hf-overrides", json.dumps({"quantization_config": None})]
-
-
-def prepare_output(out: Path) -> Path:
-    """Fail early (before any compute) when `out` cannot be created; return a temp dir beside it."""
-    out = out.expanduser().resolve()
-    if out.exists():
-        raise FileExistsError(f"{out} already exists; choose another -o or remove it")
-    parent = out.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.tmp-"))
-    except OSError as e:
-        raise PermissionError(f"cannot write to {parent}: {e.strerror}") from None
-    tmp.chmod(0o755)
-    return tmp
 
 
 def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report_md: str,
@@ -123,7 +106,3 @@ def _write_dockerfile(tmp: Path, target_kind: str, engine: dict) -> None:
     text = (template.read_text().replace("{{ENTRYPOINT}}", json.dumps(entry)).replace("{{ENV}}", env)
             .replace("{{VLLM_VERSION}}", "v" + engine.get("image_version", "0.32.0")))
     (tmp / "Dockerfile").write_text(text)
-
-
-def remove_partial(tmp: Path) -> None:
-    shutil.rmtree(tmp, ignore_errors=True)

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from optimizer.errors import UserError
+from optimizer.errors import Terminated, UserError
 
 
 def one_line_errors(fn):
@@ -21,6 +21,9 @@ def one_line_errors(fn):
         except KeyboardInterrupt:
             click.echo("interrupted; no output was written", err=True)
             sys.exit(130)
+        except Terminated:
+            click.echo("terminated (SIGTERM); no output was written", err=True)
+            sys.exit(143)
     return wrapper
 
 
@@ -53,10 +56,13 @@ def one_line_errors(fn):
               help="What --retain counts: parameters, or the target's predicted latency.")
 @click.option("--layout", default="uniform", show_default=True,
               help="uniform: same shape every layer (plain config); per-layer (--method ddp): DeciLM or plugin package.")
-@click.option("--steps", default=80, show_default=True, help="DDP gate-training steps, each on 1024-token pieces: 4 a step in the uniform layout (from the baseline start), otherwise 1.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted DDP run from its checkpoint.")
-@click.option("--ddp-start", default="baseline", show_default=True, type=click.Choice(["baseline", "dense"]),
-              help="DDP gates start at the one-shot baseline's selection (refined from there), or dense (the paper's).")
+@click.option("--steps", default=80, show_default=True, help="DDP gate-training steps, each on --ddp-batch pieces of --ddp-seq-len tokens.")
+@click.option("--ddp-batch", type=int, help="DDP: sequences a step (default: 4 in the uniform layout, 1 per layer).")
+@click.option("--ddp-seq-len", default=1024, show_default=True, help="DDP: tokens a training sequence (the whole window if it does not divide --seq-len).")
+@click.option("--ddp-lr", default=0.05, show_default=True, help="DDP: the gates' learning rate.")
+@click.option("--ddp-lr-end", type=float, help="DDP: the learning rate falls along a cosine to this (default: lr / 10 in the uniform layout, constant per layer).")
+@click.option("--ddp-beta", default=25.0, show_default=True, help="DDP: the augmented-Lagrangian penalty on the budget.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted DDP or RoI run from its checkpoint.")
 @click.option("--si-steps", default=20, show_default=True, help="SI: optimisation steps per block.")
 @click.option("--roi-steps", default=120, show_default=True, help="RoI: mask-training steps (--roi-seq-len tokens each).")
 @click.option("--roi-seq-len", default=2048, show_default=True,
@@ -70,24 +76,32 @@ def one_line_errors(fn):
 @click.option("--refit", is_flag=True,
               help="Structured methods: refit the kept o_proj / down_proj columns by least squares on the "
                    "calibration windows, so they make up for what was removed (weights change; same shapes).")
+@click.option("--refit-damp", default=0.1, show_default=True,
+              help="--refit: the ridge toward the masked weights, times the Gram matrix's mean diagonal.")
 @one_line_errors
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
-             eval_windows, seq_len, seed, threads, budget, layout, steps, resume, ddp_start, si_steps, roi_steps, roi_seq_len,
-             roi_prior, calib_dtype, refit):
+             eval_windows, seq_len, seed, threads, budget, layout, steps, ddp_batch, ddp_seq_len, ddp_lr, ddp_lr_end,
+             ddp_beta, resume, si_steps, roi_steps, roi_seq_len, roi_prior, calib_dtype, refit, refit_damp):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
     SmolLM2-135M-Instruct is used.
     """
-    from optimizer.pipeline import OptimizeConfig, optimize as run
+    from optimizer.pipeline import (DataConfig, DDPSettings, OptimizeConfig, RefitSettings, RoISettings, SISettings,
+                                    optimize as run)
     if eval_windows != "all" and not eval_windows.isdigit():
         raise UserError(f"--eval-windows must be a number or 'all', got {eval_windows!r}")
-    run(OptimizeConfig(model=model, target=target, method=method, retain=retain, calib=calib, eval=eval_,
-                       out=out, format=fmt, onnx_dtype=onnx_dtype, dry_run=dry_run, engine_version=engine_version, calib_windows=calib_windows,
-                       eval_windows=None if eval_windows == "all" else int(eval_windows), seq_len=seq_len,
-                       seed=seed, threads=threads, budget=budget, layout=layout, ddp_steps=steps, resume=resume, ddp_start=ddp_start,
-                       sparsity=sparsity, si_steps=si_steps, roi_steps=roi_steps, roi_seq_len=roi_seq_len, roi_prior=roi_prior,
-                       calib_dtype=calib_dtype, refit=refit))
+    data = DataConfig(calib=calib, eval=eval_, seq_len=seq_len, calib_windows=calib_windows,
+                      eval_windows=None if eval_windows == "all" else int(eval_windows))
+    run(OptimizeConfig(model=model, target=target, method=method, retain=retain, sparsity=sparsity, budget=budget,
+                       layout=layout, format=fmt, onnx_dtype=onnx_dtype, out=out, engine_version=engine_version,
+                       data=data, calib_dtype=calib_dtype, seed=seed, threads=threads, resume=resume,
+                       refit=RefitSettings(damp=refit_damp) if refit else None,
+                       ddp=DDPSettings(steps=steps, batch=ddp_batch, seq_len=ddp_seq_len, lr=ddp_lr, lr_end=ddp_lr_end,
+                                       beta=ddp_beta),
+                       roi=RoISettings(steps=roi_steps, seq_len=roi_seq_len, prior=roi_prior),
+                       si=SISettings(steps=si_steps)),
+        dry_run=dry_run)
 
 
 @click.command()

@@ -30,6 +30,36 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def fingerprint(hf_dir: Path) -> str:
+    """A hash of a model directory's content (config.json and the weight files), for caches
+    and checkpoints that must not outlive a model replaced at the same path. Each file's hash
+    is remembered by its path, size and modification time, so only a changed file is read."""
+    index_path = cache_dir() / "fingerprints.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    parts, changed = [], False
+    files = sorted(p for p in Path(hf_dir).iterdir()
+                   if p.name == "config.json" or p.suffix in (".safetensors", ".bin"))
+    for f in files:
+        st = f.stat()
+        key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        if key not in index:
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(chunk)
+            index[key], changed = h.hexdigest(), True
+        parts.append(f"{f.name}:{index[key]}")
+    if changed:
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index_path.with_name(f"{index_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(index))
+        os.replace(tmp, index_path)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class ModelSource:
     hf_dir: Path       # a directory transformers and vLLM can load

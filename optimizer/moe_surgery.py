@@ -30,7 +30,7 @@ import torch
 
 from optimizer.adapters.mixtral import MoEAdapter, MoEParts
 from optimizer.errors import UserError
-from optimizer.surgery import _build
+from optimizer.surgery import build_model
 
 
 def as_moe_adapter(adapter) -> MoEAdapter:
@@ -159,4 +159,4 @@ def prune_experts(model, adapter, keep: Sequence[Sequence[int]],
             down *= torch.as_tensor(scales[i], dtype=down.dtype).view(-1, 1, 1)
         sd[names[id(ex.down_proj)]] = down
     new_config = adapter.pruned_moe_config(config, n_keep)
-    return _build(new_config, sd, model.dtype)
+    return build_model(new_config, sd, model.dtype)

@@ -20,7 +20,7 @@ second pass through the dense model. Memory: one block's Gram matrices ([in, in]
 calibration hidden states, as in `sequential`.
 
 A smaller error for every projection does not guarantee a better model: the refit can also
-reproduce what the method chose to drop. So the pipeline (`pipeline._refit`) keeps it only if the
+reproduce what the method chose to drop. So the pipeline (`structured.refit`) keeps it only if the
 held-out calibration loss goes down.
 
 `refit_masks` returns new `Masks` whose blocks carry the refitted columns (scales folded in);
@@ -34,8 +34,9 @@ import torch
 from tqdm import tqdm
 
 from optimizer.adapters import DecoderAdapter
-from optimizer.sequential import _Captured, _out, block_inputs
-from optimizer.surgery import BlockMask, Masks, block_hooks, unit_columns, unit_scale
+from optimizer.sequential import StopForward, block_inputs, block_output
+from optimizer.masks import BlockMask, Masks
+from optimizer.surgery import block_hooks, unit_columns, unit_scale
 
 
 class Refit:
@@ -66,14 +67,14 @@ def _observe(block, inputs, kwargs, linear, fit: Refit) -> None:
     """Feed `linear`'s inputs to `fit`; the rest of the block is not run (its output is unused)."""
     def grab(_mod, args):
         fit.add_batch(args[0])
-        raise _Captured
+        raise StopForward
 
     handle = linear.register_forward_pre_hook(grab)
     try:
         for x in inputs:
             try:
-                _out(block, x, kwargs)
-            except _Captured:
+                block_output(block, x, kwargs)
+            except StopForward:
                 pass
     finally:
         handle.remove()
@@ -103,6 +104,6 @@ def refit_masks(model, adapter: DecoderAdapter, masks: Masks, windows: torch.Ten
                 _observe(block, inputs, kwargs, down, fit)
             new.down_columns = fit.solve(damp)
         with block_hooks(block, adapter, config, new):
-            inputs = [_out(block, x, kwargs) for x in inputs]
+            inputs = [block_output(block, x, kwargs) for x in inputs]
         blocks.append(new)
     return Masks(blocks)

@@ -23,10 +23,11 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from optimizer.masks import SparseMasks
 from optimizer.sparsity import Sparsity
 
 
-class _Captured(Exception):
+class StopForward(Exception):
     pass
 
 
@@ -40,14 +41,14 @@ def block_inputs(model, adapter, windows: torch.Tensor) -> tuple[list[torch.Tens
     def grab(module, args, kw):
         inputs.append((args[0] if args else kw["hidden_states"]).detach())
         kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
-        raise _Captured
+        raise StopForward
 
     handle = first.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         for w in windows:
             try:
                 model(w[None], use_cache=False)
-            except _Captured:
+            except StopForward:
                 pass
     finally:
         handle.remove()
@@ -56,7 +57,7 @@ def block_inputs(model, adapter, windows: torch.Tensor) -> tuple[list[torch.Tens
     return inputs, kwargs
 
 
-def _out(block, x, kwargs):
+def block_output(block, x, kwargs):
     y = block(x, **kwargs)
     return y[0] if isinstance(y, tuple) else y
 
@@ -77,7 +78,7 @@ def calibration_dtype(name: str, device: str | torch.device = "cpu") -> torch.dt
 
 
 @torch.no_grad()
-def _observe(block, inputs, kwargs, pruners: dict, autocast) -> None:
+def observe_block(block, inputs, kwargs, pruners: dict, autocast) -> None:
     """One pass over `inputs` feeding each Linear's input to its pruner's add_batch.
 
     Linears whose input is the very same tensor (q/k/v read one normed hidden state, gate/up
@@ -98,7 +99,7 @@ def _observe(block, inputs, kwargs, pruners: dict, autocast) -> None:
     try:
         for x in inputs:
             with autocast:
-                _out(block, x, kwargs)
+                block_output(block, x, kwargs)
             seen.clear()
     finally:
         for h in handles:
@@ -110,7 +111,7 @@ def _observe(block, inputs, kwargs, pruners: dict, autocast) -> None:
 
 def prune_blockwise(model, adapter, windows: torch.Tensor, make_pruner: Callable, sparsity: Sparsity,
                     prepare: Callable | None = None, device: str | torch.device = "cpu",
-                    desc: str = "pruning blocks", dtype: torch.dtype = torch.float32) -> list[dict[str, torch.Tensor]]:
+                    desc: str = "pruning blocks", dtype: torch.dtype = torch.float32) -> SparseMasks:
     """Prune every block's Linears in place; return the keep-masks, one dict per block.
 
     `dtype` is the autocast dtype of the calibration passes (`prepare` runs outside them)."""
@@ -119,7 +120,8 @@ def prune_blockwise(model, adapter, windows: torch.Tensor, make_pruner: Callable
             sparsity.check_shape(lin.in_features, name)
     blocks = adapter.blocks(model)
     if not getattr(make_pruner, "needs_data", True) and prepare is None:
-        return [{name: make_pruner(lin).prune(sparsity) for name, lin in adapter.linears(b).items()} for b in blocks]
+        return SparseMasks([{name: make_pruner(lin).prune(sparsity) for name, lin in adapter.linears(b).items()}
+                            for b in blocks])
     device = torch.device(device)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
     inputs, kwargs = block_inputs(model, adapter, windows)
@@ -132,12 +134,12 @@ def prune_blockwise(model, adapter, windows: torch.Tensor, make_pruner: Callable
             prepare(block, inputs, kwargs)
         pruners = {name: make_pruner(lin) for name, lin in adapter.linears(block).items()}
         if getattr(make_pruner, "needs_data", True):
-            _observe(block, inputs, kwargs, pruners, autocast)
+            observe_block(block, inputs, kwargs, pruners, autocast)
         masks.append({name: p.prune(sparsity) for name, p in pruners.items()})
         for p in pruners.values():
             p.free()
         if i + 1 < len(blocks):  # the next block's inputs; the last block's outputs are not needed
             with torch.no_grad(), autocast:
-                inputs = [_out(block, x, kwargs).to(x.dtype) for x in inputs]
+                inputs = [block_output(block, x, kwargs).to(x.dtype) for x in inputs]
         block.to(home)
-    return masks
+    return SparseMasks(masks)

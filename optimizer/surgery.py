@@ -10,47 +10,13 @@ give the same logits; the tests check that for every family.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from optimizer.adapters import BlockShape, DecoderAdapter
-
-
-@dataclass
-class BlockMask:
-    """Indices a block keeps, ascending. Query head h belongs to KV group h // (H / KV).
-
-    Optional scales (one per kept head / channel) multiply the unit's output; a learned
-    gate's value lands here and surgery folds it into o_proj / down_proj columns.
-    Optional columns ([out, kept inputs], from `optimizer.refit`) replace the kept columns of
-    o_proj / down_proj outright (scales already folded in); surgery writes them as they are.
-    """
-    heads: list[int]
-    kv_heads: list[int]
-    channels: list[int]
-    head_scale: list[float] | None = None
-    channel_scale: list[float] | None = None
-    o_proj_columns: torch.Tensor | None = None
-    down_columns: torch.Tensor | None = None
-
-    def shape(self) -> BlockShape:
-        return BlockShape(len(self.heads), len(self.kv_heads), len(self.channels))
-
-
-@dataclass
-class Masks:
-    blocks: list[BlockMask]
-
-    def uniform_shape(self) -> BlockShape | None:
-        shapes = {b.shape() for b in self.blocks}
-        return shapes.pop() if len(shapes) == 1 else None
-
-    def summary(self) -> list[dict]:
-        return [{"heads": b.heads, "kv_heads": b.kv_heads, "channels_kept": len(b.channels)}
-                for b in self.blocks]
+from optimizer.masks import BlockMask, Masks
 
 
 def check_masks(adapter: DecoderAdapter, config, masks: Masks) -> None:
@@ -145,7 +111,7 @@ def prune(model, adapter: DecoderAdapter, masks: Masks):
         for block in adapter.blocks(model):
             o = adapter.attention(block)[3]
             sd[names[id(o.weight)].removesuffix("weight") + "bias"] = torch.zeros(o.out_features, dtype=o.weight.dtype)
-    return _build(new_config, sd, model.dtype)
+    return build_model(new_config, sd, model.dtype)
 
 
 def _as_llama_with_bias(config) -> LlamaConfig:
@@ -158,7 +124,7 @@ def _as_llama_with_bias(config) -> LlamaConfig:
     return LlamaConfig(**d, attention_bias=True, mlp_bias=False, architectures=["LlamaForCausalLM"])
 
 
-def _build(config, state_dict: dict, dtype: torch.dtype):
+def build_model(config, state_dict: dict, dtype: torch.dtype):
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")] \
         if not getattr(config, "architectures", None) else config.architectures
     prev = torch.get_default_dtype()
@@ -278,7 +244,7 @@ def prune_per_layer(model, adapter: DecoderAdapter, masks: Masks):
     model built from the per-layer config, so the config provably describes the tensors.
     """
     from exporters.plugin import register_transformers
-    register_transformers()  # _build creates the model through AutoModelForCausalLM
+    register_transformers()  # build_model creates the model through AutoModelForCausalLM
     check_masks_per_layer(adapter, model.config, masks)
     new_config = per_layer_config(adapter, model.config, masks)
-    return _build(new_config, _sliced_state_dict(model, adapter, masks), model.dtype)
+    return build_model(new_config, _sliced_state_dict(model, adapter, masks), model.dtype)

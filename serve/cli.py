@@ -123,14 +123,14 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
                  "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                  "command": " ".join(sys.argv)},
         "runs": runs,
-        "ideal_ratio": _ideal_ratio(manifest, base_manifest),
+        "ideal_ratio": ideal_ratio(manifest, base_manifest),
     }
     summary = report.write_report(results, out_dir)
     click.echo(report.markdown_table(summary))
     click.echo(f"written: {out_dir}/bench.json, bench.md, bench.png", err=True)
 
 
-def _ideal_ratio(manifest: dict, base_manifest: dict | None) -> float:
+def ideal_ratio(manifest: dict, base_manifest: dict | None) -> float:
     """The package's ideal speed-up over what it is compared with: both ratios are against the
     dense model, so against another package it is their quotient."""
     ideal = manifest["size"]["ideal_ratio"]

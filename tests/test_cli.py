@@ -134,17 +134,60 @@ def test_existing_output_directory_is_not_overwritten(tiny_dirs, tmp_path):
 
 
 def test_failure_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file, monkeypatch):
-    import optimizer.pipeline as pipeline
+    import optimizer.evaluate
 
     def boom(*a, **k):
         raise RuntimeError("simulated crash during evaluation")
-    monkeypatch.setattr(pipeline.evaluate, "perplexity", boom)
+    monkeypatch.setattr(optimizer.evaluate, "perplexity", boom)
     with pytest.raises(RuntimeError):
         CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
                                       "--eval", str(text_file), "--seq-len", "64", "--steps", "3",
                                       "-o", str(tmp_path / "pkg")],
                            catch_exceptions=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file):
+    """`kill` (what docker stop, Kubernetes and batch schedulers send) cleans up like Ctrl-C."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    cmd = [sys.executable, "-c", "from optimizer.cli import optimize; optimize()", str(tiny_dirs["llama"]),
+           "--target", "a100", "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
+           "--steps", "100000", "--threads", "1", "-o", str(tmp_path / "pkg")]
+    env = {**os.environ, "OPTIMIZER_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        deadline = time.time() + 120
+        while not any(p.name.startswith(".pkg.tmp-") for p in tmp_path.iterdir()):
+            assert proc.poll() is None and time.time() < deadline, "the run ended before its temporary directory appeared"
+            time.sleep(0.2)
+        time.sleep(1.0)  # into the training loop
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, output
+    assert "terminated (SIGTERM); no output was written" in output
+    assert [p.name for p in tmp_path.iterdir() if p.name != "cache"] == []
+
+
+def test_a_killed_runs_temporary_directory_is_swept_at_the_next_start(tmp_path):
+    """SIGKILL cannot be trapped: the next run beside it removes what the dead process left."""
+    import subprocess
+    import sys
+
+    from optimizer.job import prepare_output
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".old.tmp-{int(dead.stdout)}-abcd"
+    stale.mkdir()
+    (stale / "model.safetensors").write_text("half")
+    mine = tmp_path / ".mine.tmp-1-abcd"  # pid 1 lives: not ours to remove
+    mine.mkdir()
+    tmp = prepare_output(tmp_path / "new")
+    assert not stale.exists() and mine.exists() and tmp.exists()
 
 
 def test_profiles_and_detect_commands():

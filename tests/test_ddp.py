@@ -8,7 +8,8 @@ import torch
 from optimizer import budget
 from optimizer.adapters import get_adapter
 from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts
-from optimizer.surgery import BlockMask, Masks, check_masks, masked, prune, prune_per_layer
+from optimizer.masks import BlockMask, Masks
+from optimizer.surgery import check_masks, masked, prune, prune_per_layer
 from tests.conftest import tiny_model
 
 
@@ -216,31 +217,6 @@ def test_budget_masks_keep_equally_many_heads_in_every_kept_group():
         assert torch.isfinite(pruned(data[:1]).logits).all()
 
 
-def test_uniform_training_holds_one_shape_and_ships_the_model_it_trained():
-    """--layout uniform from the baseline start: every step's forward is a model of the
-    baseline's shape (the best units per layer by z), and the exported model is the gated one."""
-    model = tiny_model("llama")
-    adapter = get_adapter(model.config)
-    data = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
-    shape = budget.uniform_candidates(adapter, model.config, 0.6)[0]
-    start = _baseline_masks(model, adapter, data, 0.6)
-    ddp = DDP(model, adapter, DDPConfig(retain=0.6, steps=15, batch=2, lr=0.1, warmup=0.0, shape=dict(shape.__dict__)),
-              UnitCosts.params(adapter, model.config))
-    ddp.start_from(start)
-    with torch.inference_mode():  # an evaluation before training builds the step's projection
-        model(data[:2])
-    log = [ddp.step(data[(2 * i) % 8:(2 * i) % 8 + 2]) for i in range(15)]
-    assert len({x["retain"] for x in log}) == 1 and log[0]["retain"] <= 0.6
-    masks = ddp.decide(shape)
-    assert masks != start, "the gates moved: scales at least"
-    with torch.inference_mode():
-        gated = model(data[:2]).logits
-    ddp.remove_hooks()
-    with torch.inference_mode():
-        got = prune(model, adapter, masks)(data[:2]).logits
-    torch.testing.assert_close(got, gated, atol=1e-5, rtol=1e-5)
-
-
 def test_a_layer_budget_presses_only_on_the_layer_over_the_shape():
     """--layout uniform with DDPConfig.layer_shape: one multiplier per layer and kind. A layer
     that takes back channels over the shape is pressed alone; the other layer, at the shape,
@@ -290,30 +266,31 @@ def test_the_learning_rate_can_fall_along_a_cosine_to_its_end():
     assert DDP(model, adapter, DDPConfig(retain=0.5, lr=0.1), UnitCosts.params(adapter, model.config)).lr() == 0.1
 
 
-@pytest.mark.parametrize("field, value", [("ddp_beta", 0.0), ("ddp_beta_start", -1.0), ("ddp_lr", 0.0), ("ddp_lr_end", -0.01),
-                                          ("ddp_seq_len", 0), ("ddp_batch", 0), ("ddp_steps", 0)])
+@pytest.mark.parametrize("field, value", [("beta", 0.0), ("lr", 0.0), ("lr_end", -0.01),
+                                          ("seq_len", 0), ("batch", 0), ("steps", 0)])
 def test_bad_ddp_settings_are_one_line_errors(field, value):
     """β divides the budget term and λ's step: 0 must fail at the edge, not as a ZeroDivisionError."""
     from optimizer.errors import UserError
-    from optimizer.pipeline import OptimizeConfig, validate
+    from optimizer.pipeline import DDPSettings, OptimizeConfig, validate
     with pytest.raises(UserError, match="DDP"):
-        validate(OptimizeConfig(target="a100", **{field: value}))
+        validate(OptimizeConfig(target="a100", ddp=DDPSettings(**{field: value})))
 
 
 def test_a_run_at_another_training_length_gets_its_own_checkpoint(tiny_dirs, text_file, tmp_path, monkeypatch):
     """The checkpoint key covers everything that changes what the gates learn. Without the
     training sequence length, runs at two lengths once wrote (and resumed) one file."""
-    from optimizer.pipeline import OptimizeConfig, optimize
+    from optimizer.pipeline import DataConfig, DDPSettings, OptimizeConfig, optimize
     monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
     ckpts = []
     for seq in (32, 64):
         res = optimize(OptimizeConfig(model=str(tiny_dirs["llama"]), target="a100", method="ddp", retain=0.6,
-                                      calib=str(text_file), eval=str(text_file), out=str(tmp_path / f"p{seq}"),
-                                      calib_windows=2, eval_windows=1, seq_len=64, ddp_steps=2,
-                                      ddp_seq_len=seq, log=lambda *_: None))
+                                      out=str(tmp_path / f"p{seq}"),
+                                      data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=2,
+                                                      eval_windows=1, seq_len=64),
+                                      ddp=DDPSettings(steps=2, seq_len=seq)), log=lambda *_: None)
         ddp = res["manifest"]["method"]["ddp"]
         assert ddp["seq_len"] == seq and ddp["resumed_from_step"] == 0
-        # the uniform layout's defaults (OptimizeConfig.ddp_batch, ddp_lr_end)
+        # the uniform layout's defaults (DDPSettings.by_layout)
         assert ddp["layer_shape"] and ddp["lr_end"] == ddp["lr"] / 10 and ddp["batch"] == 4
         ckpts.append(ddp["checkpoint"])
     assert ckpts[0] != ckpts[1]

@@ -297,7 +297,7 @@ def test_markdown_plot_and_write_report(tmp_path):
 
 
 def test_ideal_ratio_against_another_package_is_the_quotient_of_both_ideals():
-    from serve.cli import _ideal_ratio
+    from serve.cli import ideal_ratio
     pkg = {"size": {"ideal_ratio": 1.33}}
-    assert _ideal_ratio(pkg, None) == 1.33  # against the dense model
-    assert _ideal_ratio(pkg, {"size": {"ideal_ratio": 1.32}}) == pytest.approx(1.33 / 1.32)
+    assert ideal_ratio(pkg, None) == 1.33  # against the dense model
+    assert ideal_ratio(pkg, {"size": {"ideal_ratio": 1.32}}) == pytest.approx(1.33 / 1.32)

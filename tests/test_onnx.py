@@ -213,7 +213,7 @@ def test_external_data_forced(tmp_path):
 
 
 def _package(tmp_path: Path, model, tokenizer, name="pkg", **kw) -> Path:
-    from exporters.vllm import prepare_output
+    from optimizer.job import prepare_output
     out = tmp_path / name
     tmp = prepare_output(out)
     manifest = {"schema": launch.SCHEMA, "format": "onnx", "target": {"kind": "cpu"},
@@ -530,10 +530,10 @@ def test_bench_onnx_package_against_onnx_baseline(cli_packages, tmp_path):
 
 @pytest.mark.real_model
 def test_real_model_onnx_package(real_model_dir, tmp_path):
-    from optimizer.pipeline import OptimizeConfig, optimize
+    from optimizer.pipeline import DataConfig, OptimizeConfig, optimize
     out = tmp_path / "smollm2-onnx-r0.50"
-    res = optimize(OptimizeConfig(target="cpu", method="activation", retain=0.5, out=str(out), calib_windows=2,
-                                  eval_windows=1, seq_len=512, format="onnx", threads=1, log=lambda *_: None))
+    res = optimize(OptimizeConfig(target="cpu", method="activation", retain=0.5, out=str(out), format="onnx", threads=1,
+                                  data=DataConfig(calib_windows=2, eval_windows=1, seq_len=512)), log=lambda *_: None)
     checks = res["manifest"]["checks"]["onnx"]
     assert checks["reference"] == "transformers"
     assert checks["prefill"]["logits_max_abs_diff"] < 1e-3 * checks["prefill"]["logits_max_abs"]

@@ -17,7 +17,8 @@ from exporters import per_layer
 from optimizer.adapters import get_adapter
 from optimizer.cli import optimize
 from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts
-from optimizer.surgery import BlockMask, Masks, check_masks_per_layer, masked, prune_per_layer
+from optimizer.masks import BlockMask, Masks
+from optimizer.surgery import check_masks_per_layer, masked, prune_per_layer
 from tests.conftest import FAMILIES, tiny_model
 
 # TINY: 8 query heads in 2 KV groups of 4, 96 channels, 2 layers.
@@ -216,8 +217,8 @@ def test_cli_per_layer_end_to_end(tiny_dirs, text_file, tmp_path):
     meth = m["method"]
     assert meth["layout"] == "per-layer" and meth["format"] in ("decilm", "plugin") and meth["format_reason"]
     assert len(meth["layer_shapes"]) == 2 and 0.55 < meth["retain_achieved"] <= 0.6
-    assert meth["ddp"]["lr_end"] is None  # per layer the learning rate stays constant (OptimizeConfig.ddp_lr_end)
-    assert meth["ddp"]["batch"] == 1      # and a step takes one sequence (OptimizeConfig.ddp_batch)
+    assert meth["ddp"]["lr_end"] is None  # per layer the learning rate stays constant (DDPSettings.by_layout)
+    assert meth["ddp"]["batch"] == 1      # and a step takes one sequence (DDPSettings.by_layout)
     assert m["engine"]["package_format"] == meth["format"]
     assert m["checks"]["masked_vs_pruned_max_abs_logit_diff"] < 1e-3
     assert m["size"]["params_pruned"] < m["size"]["params_dense"]

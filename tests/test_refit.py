@@ -7,7 +7,8 @@ import torch
 
 from optimizer.adapters import BlockShape, get_adapter
 from optimizer.refit import refit_masks
-from optimizer.surgery import BlockMask, Masks, masked, prune, prune_per_layer
+from optimizer.masks import BlockMask, Masks
+from optimizer.surgery import masked, prune, prune_per_layer
 from tests.conftest import FAMILIES, tiny_model
 from tests.test_per_layer import CASES
 from tests.test_surgery import _importance
@@ -93,11 +94,13 @@ def test_optimize_with_refit_writes_a_package_that_matches_its_masked_model(tiny
     """The pipeline's own check (masked == pruned) runs on the refitted masks; the manifest and
     the report say what the refit did; --refit is refused where it does not apply."""
     from optimizer.errors import UserError
-    from optimizer.pipeline import OptimizeConfig, optimize
-    common = dict(model=str(tiny_dirs["llama"]), target="a100", calib=str(text_file), eval=str(text_file),
-                  calib_windows=8, eval_windows=1, seq_len=128, log=lambda *_: None)
-    plain = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "plain"), **common))
-    res = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "refit"), refit=True, **common))
+    from optimizer.pipeline import DataConfig, OptimizeConfig, RefitSettings, optimize
+    common = dict(model=str(tiny_dirs["llama"]), target="a100",
+                  data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=8, eval_windows=1, seq_len=128))
+    quiet = dict(log=lambda *_: None)
+    plain = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "plain"), **common), **quiet)
+    res = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "refit"), refit=RefitSettings(),
+                                  **common), **quiet)
     m, r = res["manifest"], res["manifest"]["method"]["refit"]
     # A random tiny model sits at chance (loss ≈ ln vocab), so whether the refit helps it is
     # noise; the applied path's equivalence is tested above, the guard's refusal below.
@@ -108,15 +111,16 @@ def test_optimize_with_refit_writes_a_package_that_matches_its_masked_model(tiny
     assert changed == r["applied"]
     assert "- refit: " in (tmp_path / "refit" / "report.md").read_text()
     with pytest.raises(UserError, match="--refit applies to structured"):
-        optimize(OptimizeConfig(method="wanda", refit=True, out=str(tmp_path / "no"), **common))
+        optimize(OptimizeConfig(method="wanda", refit=RefitSettings(), out=str(tmp_path / "no"), **common), **quiet)
     with pytest.raises(UserError, match="must be > 0"):
-        optimize(OptimizeConfig(method="activation", refit=True, refit_damp=0.0, out=str(tmp_path / "no"), **common))
+        optimize(OptimizeConfig(method="activation", refit=RefitSettings(damp=0.0), out=str(tmp_path / "no"), **common),
+                 **quiet)
 
 
 def test_a_refit_that_raises_the_held_out_loss_is_not_applied(tiny_dirs, text_file, tmp_path, monkeypatch):
     """The pipeline keeps the refit only if the held-out calibration loss goes down."""
     import optimizer.refit
-    from optimizer.pipeline import OptimizeConfig, optimize
+    from optimizer.pipeline import DataConfig, OptimizeConfig, RefitSettings, optimize
 
     def harmful(model, adapter, masks, windows, damp):
         good = refit_masks(model, adapter, masks, windows, damp)
@@ -125,10 +129,11 @@ def test_a_refit_that_raises_the_held_out_loss_is_not_applied(tiny_dirs, text_fi
         return good
 
     monkeypatch.setattr(optimizer.refit, "refit_masks", harmful)
-    common = dict(model=str(tiny_dirs["llama"]), target="a100", calib=str(text_file), eval=str(text_file),
-                  calib_windows=2, eval_windows=1, seq_len=64, method="activation", retain=0.6, log=lambda *_: None)
-    plain = optimize(OptimizeConfig(out=str(tmp_path / "plain"), **common))["manifest"]
-    tried = optimize(OptimizeConfig(out=str(tmp_path / "tried"), refit=True, **common))["manifest"]
+    common = dict(model=str(tiny_dirs["llama"]), target="a100", method="activation", retain=0.6,
+                  data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=2, eval_windows=1, seq_len=64))
+    plain = optimize(OptimizeConfig(out=str(tmp_path / "plain"), **common), log=lambda *_: None)["manifest"]
+    tried = optimize(OptimizeConfig(out=str(tmp_path / "tried"), refit=RefitSettings(), **common),
+                     log=lambda *_: None)["manifest"]
     r = tried["method"]["refit"]
     assert not r["applied"] and r["held_out_loss_after"] > r["held_out_loss_before"]
     assert tried["quality"]["perplexity"]["pruned"] == plain["quality"]["perplexity"]["pruned"]

@@ -91,7 +91,7 @@ def test_training_forward_complies_and_weights_stay_frozen(n, m):
     h.remove()
     assert seen and all(Sparsity(n=n, m=m).complies(w) for w in seen[1:])  # [0] is the dense teacher
     assert torch.equal(seen[0], before["model.layers.0.mlp.down_proj.weight"])
-    roi.remove()
+    roi.close()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 

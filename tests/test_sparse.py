@@ -349,14 +349,14 @@ def test_linears_reading_one_tensor_share_statistics_equal_to_their_own():
     pruner must still hold exactly the statistics of its own input."""
     import contextlib
 
-    from optimizer.sequential import _observe
+    from optimizer.sequential import observe_block
     model = tiny_model("llama")
     adapter = get_adapter(model.config)
     windows = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
     inputs, kwargs = block_inputs(model, adapter, windows)
     block = adapter.blocks(model)[0]
     pruners = {n: SparseGPT(lin) for n, lin in adapter.linears(block).items()}
-    _observe(block, inputs, kwargs, pruners, contextlib.nullcontext())
+    observe_block(block, inputs, kwargs, pruners, contextlib.nullcontext())
     own = {n: SparseGPT(lin) for n, lin in adapter.linears(block).items()}
     handles = [lin.register_forward_hook(lambda m, a, y, p=own[n]: p.add_batch(a[0]))
                for n, lin in adapter.linears(block).items()]

@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from optimizer.adapters import BlockShape, get_adapter
 from optimizer.methods.activation import ActivationImportance
-from optimizer.surgery import BlockMask, Masks, check_masks, masked, prune
+from optimizer.masks import BlockMask, Masks
+from optimizer.surgery import check_masks, masked, prune
 from tests.conftest import FAMILIES, tiny_model
 
 SHAPES = [BlockShape(8, 2, 96), BlockShape(4, 2, 40), BlockShape(4, 1, 96), BlockShape(2, 2, 8), BlockShape(1, 1, 1)]

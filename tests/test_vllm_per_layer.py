@@ -29,7 +29,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 from exporters import per_layer
 from serve import launch, loadgen
 from optimizer.adapters import get_adapter
-from optimizer.surgery import BlockMask, Masks, masked, prune_per_layer
+from optimizer.masks import BlockMask, Masks
+from optimizer.surgery import masked, prune_per_layer
 
 pytestmark = pytest.mark.vllm
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from optimizer.pipeline import OptimizeConfig, optimize
+from optimizer.pipeline import DataConfig, OptimizeConfig, SISettings, optimize
 from optimizer.sparsity import parse
 from serve import launch, loadgen
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.vllm
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
 PACKAGES = {
     "h100-0.18": dict(target="h100", engine_version="0.18.0", method="sparsegpt", sparsity="2:4"),
-    "a100-si-4of8": dict(target="a100", method="si+magnitude", sparsity="4:8", si_steps=2),
+    "a100-si-4of8": dict(target="a100", method="si+magnitude", sparsity="4:8", si=SISettings(steps=2)),
 }
 
 
@@ -40,8 +40,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module", params=list(PACKAGES))
 def package(request, real_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sparse") / request.param
-    optimize(OptimizeConfig(**PACKAGES[request.param], out=str(out), calib_windows=2, eval_windows=1, seq_len=512,
-                            threads=1, log=lambda *_: None))
+    optimize(OptimizeConfig(**PACKAGES[request.param], out=str(out), threads=1,
+                            data=DataConfig(calib_windows=2, eval_windows=1, seq_len=512)), log=lambda *_: None)
     return request.param, out
 
 

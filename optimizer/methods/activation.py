@@ -17,12 +17,13 @@ from __future__ import annotations
 import torch
 
 from optimizer.adapters import BlockShape, DecoderAdapter
-from optimizer.surgery import BlockMask, Masks
+from optimizer.masks import BlockMask, Masks
+from optimizer.methods.base import Method
 
 
-class ActivationImportance:
+class ActivationImportance(Method):
     def __init__(self, model, adapter: DecoderAdapter):
-        self.adapter = adapter
+        self.model, self.adapter = model, adapter
         config = model.config
         self.dense = adapter.dense_shape(config)
         self.head_dim = adapter.head_dim(config)
@@ -58,10 +59,16 @@ class ActivationImportance:
         model(input_ids)
         self.tokens += input_ids.numel()
 
+    def observe(self, input_ids: torch.Tensor) -> dict:
+        self.add_batch(self.model, input_ids)
+        return {}
+
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    close = remove_hooks
 
     # --- decide --------------------------------------------------------------------------
     def decide(self, shape: BlockShape) -> Masks:

@@ -30,25 +30,20 @@ shape, or `budget_masks()` for per-layer shapes meeting the budget exactly.
 
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from optimizer.adapters import BlockShape, DecoderAdapter
+from optimizer.masks import BlockMask, Masks
 from optimizer.methods.activation import select_uniform
-from optimizer.surgery import BlockMask, Masks
+from optimizer.methods.gates import GateTraining
 
 
 # Bumped whenever training changes what a checkpoint means: `load` refuses older ones.
 ALGORITHM = "ddp-4: per-head gates, relu_ste, ramp continued below zero, inequality AL; uniform projection"
-# Added for runs projected onto one shape only, whose forward changed alone: a kept unit at
-# z <= 0 went from 0 to 1. Checkpoints of every other run stay valid.
-PROJECTED = "; projected units at z <= 0 ship at 1"
 
 
 @dataclass
@@ -58,11 +53,9 @@ class DDPConfig:
     batch: int = 4
     lr: float = 0.05
     lr_end: float | None = None  # None: lr throughout; else lr falls along a cosine to this at the last step
-    beta: float = 50.0         # augmented-Lagrangian penalty, also the dual step size. SmolLM2
-                               # (bench/results/ddp-probes): lower β swaps more units (0.7 per
-                               # layer: 36.7 at 15, 38.7 at 25, 41.7 at 50) but ends over the budget
-                               # where it is tight and the final cut costs most (0.5: 138, 94, 79;
-                               # uniform export at 0.5: 164 at 25, 104 at 50)
+    beta: float = 50.0         # augmented-Lagrangian penalty, also the dual step size: lower β
+                               # swaps more units but ends further over a tight budget
+                               # (bench/results/ddp-probes/README.md)
     beta_start: float | None = None  # None: β throughout; else β rises geometrically from this
     gamma: float = 0.5         # binarisation weight at the end (ramped linearly from 0)
     mu_start: float = 1.0      # ramp width: s = clip(z / mu, 0, 1) = 1 at the dense start z = 1
@@ -71,8 +64,6 @@ class DDPConfig:
     warmup: float = 0.5        # fraction of steps over which the target falls from 1 to retain (0: at once)
     removed: float = 0.25      # start_from: removed units start at z = -removed
     dtype: str = "float32"     # "bfloat16": the KD passes under bf16 autocast (gates and KL stay fp32)
-    shape: dict | None = None  # uniform layout: every step projects the gates onto this block shape
-                               # (the best units per layer by z), so no budget term is needed
     layer_shape: dict | None = None  # uniform layout: every layer's heads and channels held to this
                                # block shape by multipliers of their own, in place of one budget over
                                # the model, so training cannot move units between layers
@@ -141,7 +132,7 @@ def relu_ste(z: torch.Tensor) -> torch.Tensor:
     return z + (z.clamp_min(0) - z).detach()
 
 
-class DDP:
+class DDP(GateTraining):
     def __init__(self, model, adapter: DecoderAdapter, cfg: DDPConfig, costs: UnitCosts):
         self.model, self.adapter, self.cfg, self.costs = model, adapter, cfg, costs
         config = model.config
@@ -149,13 +140,10 @@ class DDP:
         self.head_dim = adapter.head_dim(config)
         self.layers = config.num_hidden_layers
         self.gates = Gates(self.layers, self.dense, cfg.init)
-        self.shape = BlockShape(**cfg.shape) if cfg.shape else None
-        self._projection = None  # (step, head keep [L, H], channel keep [L, I]) for self.shape
-        self.opt = torch.optim.Adam(self.gates.parameters(), lr=cfg.lr)
         self.layer_shape = BlockShape(**cfg.layer_shape) if cfg.layer_shape else None
         # One multiplier for the model's budget, or one per layer and kind (heads, channels).
-        self.lam = torch.zeros(2 * self.layers) if self.layer_shape else torch.zeros(())
-        self.step_count = 0
+        self._init_training(self.gates.parameters(),
+                            torch.zeros(2 * self.layers) if self.layer_shape else torch.zeros(()))
         self.dense_cost = self.layers * costs.block(*self._dense_counts())
         for p in model.parameters():
             p.requires_grad_(False)
@@ -173,75 +161,18 @@ class DDP:
             if not self.gates.enabled:
                 return None
             z = (self.gates.head if kind == "head" else self.gates.channel)[layer]
-            if self.shape is None:
-                g = relu_ste(z)
-            else:  # forward: the uniform model that ships (`shipped_scales`); backward: as relu_ste
-                keep = self._projected()[0 if kind == "head" else 1][layer]
-                g = z + (shipped_scale(z) * keep - z).detach()
+            g = relu_ste(z)
             if kind == "head":
                 g = g.repeat_interleave(self.head_dim)
             return (args[0] * g.to(args[0].dtype),) + tuple(args[1:])
         return hook
-
-    def _projected(self):
-        """The units `decide(self.shape)` keeps for the current gates, as 0/1 [L, H] and [L, I]
-        tensors, cached per step."""
-        if self._projection is None or self._projection[0] != self.step_count:
-            self._projection = (self.step_count, *self._project())
-        return self._projection[1:]
-
-    @torch.inference_mode(False)  # built while evaluating, the cache must still serve a training step
-    def _project(self):
-        masks = self._select(self.shape)
-        keep_h, keep_c = torch.zeros_like(self.gates.head), torch.zeros_like(self.gates.channel)
-        for layer, b in enumerate(masks.blocks):
-            keep_h[layer, b.heads] = 1.0
-            keep_c[layer, b.channels] = 1.0
-        return keep_h, keep_c
 
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
 
-    # --- schedule and budget ----------------------------------------------------------------
-    def mu(self) -> float:
-        # Held during the warm-up, while the gates sort themselves under a falling target
-        # (an annealed score is flat for z > mu, so the budget would see no response);
-        # then annealed geometrically so the scores approach the step 1[z > 0].
-        start = self.cfg.warmup * self.cfg.steps
-        t = min(1.0, max(0.0, self.step_count - start) / max(1, self.cfg.steps - 1 - start))
-        return self.cfg.mu_start * (self.cfg.mu_end / self.cfg.mu_start) ** t
-
-    def progress(self) -> float:
-        """How far the run is, 0 at the first step to 1 at the last: β's, γ's and lr's schedules."""
-        return min(1.0, self.step_count / max(1, self.cfg.steps - 1))
-
-    def beta(self) -> float:
-        if self.cfg.beta_start is None:
-            return self.cfg.beta
-        return self.cfg.beta_start * (self.cfg.beta / self.cfg.beta_start) ** self.progress()
-
-    def lr(self) -> float:
-        if self.cfg.lr_end is None:
-            return self.cfg.lr
-        return self.cfg.lr_end + (self.cfg.lr - self.cfg.lr_end) * (1 + math.cos(math.pi * self.progress())) / 2
-
-    def _adam_step(self) -> None:
-        for group in self.opt.param_groups:
-            group["lr"] = self.lr()
-        self.opt.step()
-
-    def target(self) -> float:
-        # A moving target keeps c small while the gates sort themselves; a fixed one lets
-        # λ wind up until every gate crosses zero at once (CoFi / Sheared-LLaMA do the same).
-        return 1.0 - (1.0 - self.cfg.retain) * self.warmed_up()
-
-    def warmed_up(self) -> float:
-        """How far the warm-up has brought the target from dense to the budget, 0 to 1."""
-        if self.cfg.warmup == 0:
-            return 1.0
-        return min(1.0, self.step_count / max(1, self.cfg.warmup * self.cfg.steps))
+    close = remove_hooks
 
     def layer_excess(self, mu: float) -> torch.Tensor:
         """Per layer, the expected cost of its heads (with their KV groups) and of its channels
@@ -257,6 +188,11 @@ class DDP:
         channels = c.channel * (s_chan.sum(1) - chan)
         return torch.cat([heads, channels]) / self.dense_cost
 
+    def budget_excess(self, mu: float, c: torch.Tensor, beta: float) -> tuple[torch.Tensor, float]:
+        if self.layer_shape is None:
+            return c, beta
+        return self.layer_excess(mu), beta * self.layers
+
     def expected_retention(self, mu: float) -> torch.Tensor:
         s_head, s_kv, s_chan = self.gates.scores(mu)
         c = self.costs
@@ -268,46 +204,8 @@ class DDP:
         mu = self.mu()
         self.opt.zero_grad(set_to_none=True)
         kd = kd_backward(self.model, self.gates, input_ids, self.cfg.dtype)
-        if self.shape is not None:
-            return self._descend_projected(kd)
         s_head, _, s_chan = self.gates.scores(mu)
         return self.descend(kd, torch.cat([s_head.flatten(), s_chan.flatten()]), mu)
-
-    def descend(self, kd: float, s: torch.Tensor, mu: float) -> dict:
-        """The rest of a step, shared by every kind of gate (ExpertGates borrows it), once the
-        KD loss `kd` is backpropagated into the gates (`kd_backward`): the augmented-Lagrangian
-        budget on the scores `s`, the binarisation term, one Adam step on the gates, and dual
-        ascent on λ."""
-        cfg = self.cfg
-        target = self.target()
-        c = self.expected_retention(mu) - target
-        beta = self.beta()
-        if self.layer_shape is not None:
-            c_budget, beta = self.layer_excess(mu), beta * self.layers
-        else:
-            c_budget = c
-        gamma = cfg.gamma * self.progress()
-        # The inequality form of the augmented Lagrangian (retention at most the target): λ ≥ 0,
-        # so a start under the budget invites no units back beyond what KD asks for. With the
-        # equality form λ went negative from the baseline start, pulled units back in, and the
-        # run ended 0.04–0.07 over the target for the tie-break to cut (SmolLM2 at 0.5: PPL 139
-        # with β = 5 equality, 79 with β = 50 inequality, at a smaller retention).
-        budget = ((torch.relu(self.lam + beta * c_budget) ** 2 - self.lam ** 2) / (2 * beta)).sum()
-        (budget + gamma * (s * (1 - s)).mean()).backward()  # adds to KD's gradient
-        self._adam_step()
-        self.lam = torch.relu(self.lam + beta * c_budget.detach())
-        self.step_count += 1
-        return {"kd": kd, "retain": c.item() + target, "target": target, "lambda": self.lam.max().item(), "mu": mu}
-
-    def _descend_projected(self, kd: float) -> dict:
-        """Uniform layout: the forward already is a model of `self.shape`, so only KD trains
-        the gates. A unit outside the projection still gets KD's gradient (as in relu_ste)
-        and swaps in when its z passes the weakest kept unit's of its layer."""
-        self._adam_step()
-        self.step_count += 1
-        kept = self.layers * self.costs.block(self.shape.num_heads, self.shape.num_kv_heads,
-                                              self.shape.intermediate_size) / self.dense_cost
-        return {"kd": kd, "retain": kept, "target": self.cfg.retain, "lambda": 0.0, "mu": 0.0}
 
     def start_from(self, masks: Masks) -> None:
         """Start at a one-shot selection that already meets the budget (`start="baseline"`):
@@ -321,35 +219,16 @@ class DDP:
             for layer, b in enumerate(masks.blocks):
                 self.gates.head[layer, b.heads] = self.cfg.init
                 self.gates.channel[layer, b.channels] = self.cfg.init
-        self._projection = None
 
     # --- checkpoint / resume ------------------------------------------------------------------
-    def state(self) -> dict:
-        return {"gates": self.gates.state_dict(), "opt": self.opt.state_dict(), "lam": self.lam,
-                "step": self.step_count, "config": asdict(self.cfg), "algorithm": self._algorithm(), "rng": torch.get_rng_state()}
+    def algorithm(self) -> str:
+        return ALGORITHM
 
-    def _algorithm(self) -> str:
-        return ALGORITHM + (PROJECTED if self.shape is not None else "")
+    def gate_state(self) -> dict:
+        return self.gates.state_dict()
 
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(self.state(), tmp)
-        os.replace(tmp, path)
-
-    def load(self, path: Path) -> bool:
-        """Resume from `path` if it holds a run with the same configuration."""
-        if not path.is_file():
-            return False
-        state = torch.load(path, weights_only=False)
-        if state["config"] != asdict(self.cfg) or state.get("algorithm") != self._algorithm():
-            return False
-        self.gates.load_state_dict(state["gates"])
-        self.opt.load_state_dict(state["opt"])
-        self.lam, self.step_count = state["lam"], state["step"]
-        self._projection = None
-        torch.set_rng_state(state["rng"])
-        return True
+    def load_gate_state(self, state: dict) -> None:
+        self.gates.load_state_dict(state)
 
     # --- decide -------------------------------------------------------------------------------
     def unit_values(self):

@@ -1,6 +1,6 @@
 """DDP over MoE experts (methods.md §1): one gate logit z per routed expert per MoE layer.
 
-Same two phases and the same objective as `ddp.DDP` (whose μ / target schedules it reuses):
+Same two phases and the same objective as `ddp.DDP`, on the same base (`gates.GateTraining`):
 the weights stay frozen; the forward multiplies each expert's output in the weighted expert
 sum by ReLU(z_e); the budget acts on s_e = clip(z_e / μ_t, 0, 1) through the augmented
 Lagrangian with dual ascent, plus the binarisation term; the loss is KL to the same model
@@ -18,7 +18,7 @@ The cost of an expert is its parameter count (gate/up/down slices + router row),
 every expert; retention is that of the routed experts (attention and shared experts are not
 gated here, so they are not in the budget).
 
-Observe = `step(batch)`; decide = `decide(n_keep)` → (keep, scales) for
+Observe = `step(batch)`; decide = `decide(n_keep)` → `ExpertMasks` (keep, scales) for
 `moe_surgery.prune_experts` (same count in every MoE layer; the budget's count by default).
 Heads and KV groups of MoE models are not gated together with experts yet.
 """
@@ -32,21 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from optimizer.errors import UserError
-from optimizer.methods.ddp import DDP, DDPConfig, kd_backward
+from optimizer.masks import ExpertMasks
+from optimizer.methods.ddp import DDPConfig, kd_backward
+from optimizer.methods.gates import GateTraining
 from optimizer.moe_surgery import as_moe_adapter, moe_parts, route_hook, scale_hook
 
+ALGORITHM = "ddp-experts-1: routed-expert gates, relu, routed around at z <= 0, inequality AL"
 
-class ExpertGates:
-    mu = DDP.mu          # μ held during the warm-up, then annealed geometrically to mu_end
-    target = DDP.target  # the retention target falls from 1 to cfg.retain over the warm-up
-    warmed_up = DDP.warmed_up
-    descend = DDP.descend  # budget + binarisation + Adam step + dual ascent, as for heads and channels
-    progress = DDP.progress
-    beta = DDP.beta
-    lr = DDP.lr
-    _adam_step = DDP._adam_step
-    layer_shape = None     # one budget over the model (DDP.descend asks)
 
+class ExpertGates(GateTraining):
     def __init__(self, model, adapter, cfg: DDPConfig):
         self.model, self.adapter, self.cfg = model, as_moe_adapter(adapter), cfg
         config = model.config
@@ -55,8 +49,8 @@ class ExpertGates:
         self.z = nn.Parameter(torch.full((len(self.parts), self.n), cfg.init))
         self.costs = torch.full(self.z.shape, float(self.adapter.expert_params(config)))  # parameters
         self.dense_cost = self.costs.sum()
-        self.opt = torch.optim.Adam([self.z], lr=cfg.lr)
-        self.lam, self.step_count, self.enabled = torch.zeros(()), 0, True
+        self._init_training([self.z], torch.zeros(()))
+        self.enabled = True
         for p in model.parameters():
             p.requires_grad_(False)
         self._handles = []
@@ -79,6 +73,8 @@ class ExpertGates:
             h.remove()
         self._handles = []
 
+    close = remove_hooks
+
     def scores(self, mu: float) -> torch.Tensor:
         return (self.z / mu).clamp(0, 1)
 
@@ -90,6 +86,17 @@ class ExpertGates:
         mu = self.mu()
         self.opt.zero_grad(set_to_none=True)
         return self.descend(kd_backward(self.model, self, input_ids, self.cfg.dtype), self.scores(mu), mu)
+
+    # --- checkpoint / resume ------------------------------------------------------------------
+    def algorithm(self) -> str:
+        return ALGORITHM
+
+    def gate_state(self) -> dict:
+        return {"z": self.z.detach().clone()}
+
+    def load_gate_state(self, state: dict) -> None:
+        with torch.no_grad():
+            self.z.copy_(state["z"])
 
     # --- decide -------------------------------------------------------------------------------
     def values(self) -> torch.Tensor:
@@ -104,11 +111,11 @@ class ExpertGates:
                             f"{self.k} every token is routed to")
         return n
 
-    def decide(self, n_keep: int | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+    def decide(self, n_keep: int | None = None) -> ExpertMasks:
         """Per MoE layer, the `n_keep` experts with the largest z (ascending), their ReLU(z) as scales."""
         n_keep = self.budget_count() if n_keep is None else n_keep
         if not self.k <= n_keep <= self.n:
             raise UserError(f"keep {n_keep} experts per layer: must be between top-k {self.k} and {self.n}")
         z, v = self.z.detach(), self.values()
         keep = [sorted(zl.topk(n_keep).indices.tolist()) for zl in z]
-        return keep, [vl[k] for vl, k in zip(v, keep)]
+        return ExpertMasks(keep, [vl[k] for vl, k in zip(v, keep)])

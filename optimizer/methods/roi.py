@@ -48,10 +48,8 @@ moments fp32. `state_bytes()` reports the figure.
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +58,8 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from optimizer.adapters import DecoderAdapter
+from optimizer.masks import SparseMasks
+from optimizer.methods.base import TrainedMethod
 from optimizer.sparsity import Sparsity
 
 
@@ -234,7 +234,7 @@ class _Mask(nn.Module):
         return self.roi._masked(self.block, self.name, w)
 
 
-class RoI:
+class RoI(TrainedMethod):
     def __init__(self, model, adapter: DecoderAdapter, sparsity: Sparsity, cfg: RoIConfig):
         if not sparsity.is_nm:
             raise ValueError(f"RoI learns N:M masks; got {sparsity}")
@@ -339,11 +339,11 @@ class RoI:
 
     # --- decide / apply ------------------------------------------------------------------------------
     @torch.no_grad()
-    def decide(self) -> list[dict[str, torch.Tensor]]:
+    def decide(self) -> SparseMasks:
         """Keep-masks per block: the deterministic top-N of φ in every group of M."""
-        return [{name: self.sparsity.mask(phi.detach()) for name, phi in d.items()} for d in self.phi]
+        return SparseMasks([{name: self.sparsity.mask(phi.detach()) for name, phi in d.items()} for d in self.phi])
 
-    def remove(self) -> None:
+    def close(self) -> None:
         """Detach from the model (weights back as they were, dense), restore requires_grad."""
         if not self._attached:
             return
@@ -355,10 +355,10 @@ class RoI:
         self._attached = False
 
     @torch.no_grad()
-    def apply(self) -> list[dict[str, torch.Tensor]]:
+    def apply(self) -> SparseMasks:
         """Zero the pruned weights in place, remove the parametrizations; returns the masks."""
         masks = self.decide()
-        self.remove()
+        self.close()
         for lins, keep in zip(self.linears, masks):
             for name, lin in lins.items():
                 lin.weight.mul_(keep[name].to(lin.weight.device))
@@ -381,26 +381,14 @@ class RoI:
                 "prunable_weights": prunable}
 
     # --- checkpoint / resume ---------------------------------------------------------------------------
+    def identity(self) -> dict:
+        return {"config": asdict(self.cfg), "sparsity": str(self.sparsity)}
+
     def state(self) -> dict:
         return {"phi": [{k: v.detach().cpu() for k, v in d.items()} for d in self.phi],
-                "opt": self.opt.state_dict(), "step": self.step_count, "config": asdict(self.cfg),
-                "sparsity": str(self.sparsity), "gen": self.gen.get_state()}
+                "opt": self.opt.state_dict(), "step": self.step_count, "gen": self.gen.get_state()}
 
-    def save(self, path: Path | str) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(self.state(), tmp)
-        os.replace(tmp, path)
-
-    def load(self, path: Path | str) -> bool:
-        """Resume from `path` if it holds a run with the same configuration and pattern."""
-        path = Path(path)
-        if not path.is_file():
-            return False
-        state = torch.load(path, weights_only=False)
-        if state["config"] != asdict(self.cfg) or state["sparsity"] != str(self.sparsity):
-            return False
+    def restore(self, state: dict) -> None:
         with torch.no_grad():
             for d, s in zip(self.phi, state["phi"]):
                 for name, phi in d.items():
@@ -408,7 +396,6 @@ class RoI:
         self.opt.load_state_dict(state["opt"])
         self.step_count = state["step"]
         self.gen.set_state(state["gen"])
-        return True
 
 
 def bytes_str(n: float) -> str:

@@ -1,0 +1,133 @@
+"""What a user sets: `OptimizeConfig`, the CLI's options one to one, with per-method settings.
+
+Every field is either a CLI option of `optimize` or part of the public API below; settings the
+benchmarks found no better than the defaults are not offered. Why a default is what it is, and
+the runs behind it, are in `bench/results/`, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from optimizer import data
+from optimizer import plan as planner
+from optimizer import sparsity as sparsity_mod
+from optimizer.errors import UserError
+
+FORMATS = ("vllm", "onnx")
+LAYOUTS = ("uniform", "per-layer")
+BUDGETS = ("params", "latency")
+
+
+@dataclass
+class DataConfig:
+    """Calibration and evaluation text (None: the built-in corpus, or text the model writes)."""
+    calib: str | None = None          # text file the methods observe / train on
+    eval: str | None = None           # text file for perplexity; never trained on
+    seq_len: int = 2048               # tokens per window
+    calib_windows: int = 16           # windows the one-shot statistics (and --refit) read
+    eval_windows: int | None = 16     # None: every window of the evaluation text
+
+
+@dataclass
+class DDPSettings:
+    """`--method ddp`: learned gates on heads and channels (optimizer/methods/ddp.py)."""
+    steps: int = 80
+    batch: int | None = None          # sequences a step; None: 4 in the uniform layout, 1 per layer
+    seq_len: int = 1024               # tokens a sequence (the whole window where it does not divide)
+    lr: float = 0.05
+    lr_end: float | None = None       # cosine to this; None: lr / 10 in the uniform layout, constant per layer
+    beta: float = 25.0                # augmented-Lagrangian penalty
+
+    def by_layout(self, layout: str) -> tuple[int, float | None]:
+        """(sequences a step, the learning rate's end) where these settings leave them to the layout."""
+        uniform = layout == "uniform"
+        batch = self.batch if self.batch is not None else 4 if uniform else 1
+        lr_end = self.lr_end if self.lr_end is not None else self.lr / 10 if uniform else None
+        return batch, lr_end
+
+
+@dataclass
+class RoISettings:
+    """`--method roi`: learned N:M masks (optimizer/methods/roi.py)."""
+    steps: int = 120
+    seq_len: int = 2048               # tokens a step (the whole window where it does not divide)
+    prior: str = "wanda"              # one-shot start: wanda | sparsegpt
+
+
+@dataclass
+class SISettings:
+    """`--method si+PRUNER`: sparsity-inducing transforms before the pruner (optimizer/methods/si.py)."""
+    steps: int = 20                   # optimisation steps per block
+
+
+@dataclass
+class RefitSettings:
+    """`--refit`: least-squares refit of the kept o_proj / down_proj columns (optimizer/refit.py)."""
+    damp: float = 0.1                 # ridge toward the masked weights, × the Gram matrix's mean diagonal
+
+
+@dataclass
+class OptimizeConfig:
+    model: str | None = None          # HF dir, hub id, GGUF file; None = the embedded default
+    target: str = "auto"              # a profile name, or auto (detect)
+    method: str = "auto"              # auto | structured | ddp | activation | semi-structured | a pruner
+    retain: float = 0.7               # structured: fraction of the blocks' parameters (or latency) kept
+    sparsity: str = "2:4"             # semi-structured: N:M, or an unstructured fraction
+    budget: str = "params"            # what --retain counts: params | latency (on the target)
+    layout: str = "uniform"           # uniform (plain config) | per-layer (DDP: DeciLM or plugin package)
+    format: str = "vllm"              # vllm | onnx
+    onnx_dtype: str = "float32"       # float32 | float16 (ONNX packages)
+    out: str | None = None            # package directory; None: out/MODEL-TARGET-METHOD-LEVEL
+    engine_version: str | None = None # vLLM version the package is for; None: installed, else the default
+    data: DataConfig = field(default_factory=DataConfig)
+    calib_dtype: str = "auto"         # one-shot calibration and training passes: auto | float32 | bfloat16
+    seed: int = 0
+    threads: int | None = None        # torch CPU threads; None: torch's choice
+    resume: bool = False              # continue a trained method from its checkpoint
+    refit: RefitSettings | None = None  # None: no refit
+    ddp: DDPSettings = field(default_factory=DDPSettings)
+    roi: RoISettings = field(default_factory=RoISettings)
+    si: SISettings = field(default_factory=SISettings)
+
+
+def validate(cfg: OptimizeConfig) -> None:
+    """Every check that bad input can fail, before anything expensive runs: a UserError (one line)."""
+    if cfg.format not in FORMATS:
+        raise UserError(f"unknown --format '{cfg.format}'; choose from: {', '.join(FORMATS)}")
+    if not 0 < cfg.retain <= 1:
+        raise UserError(f"--retain must be in (0, 1], got {cfg.retain}")
+    if cfg.budget not in BUDGETS:
+        raise UserError(f"--budget must be 'params' or 'latency', got '{cfg.budget}'")
+    if cfg.layout not in LAYOUTS:
+        raise UserError(f"unknown --layout '{cfg.layout}'; choose from: {', '.join(LAYOUTS)}")
+    if cfg.layout == "per-layer" and cfg.method != "ddp":
+        raise UserError("--layout per-layer needs --method ddp (the one-shot activation method is uniform-only)")
+    if cfg.layout == "per-layer" and cfg.format != "vllm":
+        raise UserError(f"--layout per-layer writes vLLM packages only, not --format {cfg.format}")
+    d = cfg.ddp
+    if min(d.steps, 1 if d.batch is None else d.batch, d.seq_len) < 1:
+        raise UserError("--steps, the DDP batch and its sequence length must be >= 1")
+    if not (d.lr > 0 and (d.lr_end is None or d.lr_end >= 0) and d.beta > 0):
+        raise UserError("the DDP learning rate and β must be > 0, the learning rate's end >= 0")
+    if cfg.refit is not None and cfg.refit.damp <= 0:
+        raise UserError(f"the refit's ridge (damp) must be > 0, got {cfg.refit.damp}")
+    dc = cfg.data
+    if dc.seq_len < 16 or dc.calib_windows < 1 or (dc.eval_windows is not None and dc.eval_windows < 1):
+        raise UserError("--seq-len must be >= 16 and window counts >= 1")
+    if cfg.si.steps < 0 or cfg.roi.steps < 0:
+        raise UserError("--si-steps and --roi-steps must be >= 0")
+    if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":
+        if cfg.roi.prior not in ("sparsegpt", "wanda"):
+            raise UserError(f"--roi-prior must be 'sparsegpt' or 'wanda', got '{cfg.roi.prior}'")
+        if cfg.roi.seq_len < 16:
+            raise UserError(f"--roi-seq-len must be >= 16, got {cfg.roi.seq_len}")
+        if cfg.method == "roi" and not sparsity_mod.parse(cfg.sparsity).is_nm:  # parse raises on a malformed pattern
+            raise UserError(f"--method roi learns N:M masks; --sparsity {cfg.sparsity} is unstructured")
+        if cfg.layout != "uniform":
+            raise UserError("--layout applies to structured methods; semi-structured pruning keeps every shape")
+        if cfg.refit is not None:
+            raise UserError("--refit applies to structured methods (removed heads and channels), not semi-structured ones")
+    for path, what in ((dc.calib, "calibration file"), (dc.eval, "evaluation file")):
+        if path is not None:
+            data.read_text_file(path, what)  # raises on missing / empty / binary

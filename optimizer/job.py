@@ -1,0 +1,307 @@
+"""The one job skeleton: load → calibrate → method → surgery → (heal → quantize) → evaluate → export.
+
+`Job` holds what every kind of run shares — the model and tokenizer, the calibration and
+evaluation windows, the dense model's perplexity, the checkpointed training loop, the manifest
+and the temporary package directory — and `Job.run(kind)` calls the stages of one *kind* of run
+in order. The structured kind (`optimizer/structured.py`) and the semi-structured kind
+(`optimizer/semistructured.py`) are peers on it.
+
+The stage contract. A kind is an object with four methods; each gets the job and what the
+previous stage returned:
+
+    method(job)                 → Decision   observe the calibration windows (statistics, or a
+                                             training run through `job.train`) and decide: typed
+                                             masks (`optimizer.masks`) and the manifest's account
+                                             of the method. May hook the model; must unhook it.
+                                             Semi-structured methods zero weights in place.
+    surgery(job, decision)      → model      the deployable model: units physically removed
+                                             (structured) or the zeros checked against the
+                                             pattern (semi-structured). Never changes job.model's
+                                             weights where the kind keeps them as the teacher.
+    describe(job, decision, m)  → dict       manifest sections only the kind knows: method,
+                                             size, engine, checks (and "format").
+    export(job, m, manifest)    → None       write the package into job.tmp and rename it to
+                                             job.out (an exporter's write_package does both).
+
+Stages still to come plug in between surgery and evaluation and keep this contract:
+  heal(job, model)     → model   distillation from job.model (the teacher): weights change,
+                                 shapes and zeros never do; trains through `job.train`
+                                 (checkpoints, --resume, progress bar) like any trained method
+  quantize(job, model) → model   weights (and activations) to the target's precision; the
+                                 manifest gains a quantization section
+A stage that trains checkpoints through `job.train`, keyed by `job.checkpoint(...)`, which
+hashes the model's and the calibration text's *content* with the stage's settings.
+
+Output discipline: the package is written to a temporary directory beside the output
+(`.NAME.tmp-PID-XXXX`), renamed into place only when complete, and removed on any failure,
+Ctrl-C or SIGTERM; directories left by a SIGKILL are swept at the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from exporters import vllm as vllm_export
+from optimizer import data, evaluate, load
+from optimizer.config import OptimizeConfig
+from optimizer.errors import Terminated, UserError
+
+TOOL_VERSION = "0.1.0"
+MAX_MODEL_LEN = 2048          # the packages' --max-model-len
+CHECKPOINT_EVERY = 25         # steps between checkpoints of a trained method
+
+
+@dataclass
+class Calibration:
+    text: data.Text
+    train: torch.Tensor       # [windows, seq_len]: what methods observe and train on
+    held_out: torch.Tensor    # [1, seq_len]: the last window, for shape choice and checks
+
+
+@dataclass
+class Evaluation:
+    description: str
+    windows: torch.Tensor
+
+
+@dataclass
+class Decision:
+    """What a kind's method stage returns: its typed masks and the manifest's account of it."""
+    masks: object
+    detail: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)   # anything the kind's later stages need
+
+
+@dataclass
+class Job:
+    cfg: OptimizeConfig
+    target: object            # profiles.Profile
+    plan: object              # plan.Plan
+    source: load.ModelSource
+    adapter: object           # adapters.DecoderAdapter
+    out: Path
+    tmp: Path
+    log: Callable = print
+    started: float = field(default_factory=time.time)
+    model: torch.nn.Module | None = None
+    tok: object = None
+    calib: Calibration | None = None
+    evaluation: Evaluation | None = None
+    dense_ppl: float | None = None
+
+    # --- the skeleton ------------------------------------------------------------------------
+    def run(self, kind) -> dict:
+        self.load()
+        self.calibrate()
+        self.evaluate_dense()          # before any method: semi-structured ones edit in place
+        decision = kind.method(self)
+        model = kind.surgery(self, decision)
+        quality = self.quality(model)
+        manifest = self.manifest(kind.describe(self, decision, model), quality)
+        kind.export(self, model, manifest)
+        self.log(f"package: {self.out.resolve()}  (serve it: serve {self.out})")
+        return {"plan": self.plan, "manifest": manifest, "out": self.out}
+
+    # --- load, calibrate, evaluate ------------------------------------------------------------
+    def load(self) -> None:
+        """Threads and seed set, then the model and tokenizer."""
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        torch.manual_seed(self.cfg.seed)
+        self.model, self.tok = load.load_model(self.source)
+
+    def calibrate(self) -> Calibration:
+        """The calibration text and its windows; the last window is held out."""
+        d = self.cfg.data
+        text = data.read_text_file(d.calib, "calibration file") if d.calib else data.builtin_text("calib")
+        if text is None:
+            text = data.self_generated_text(self.model, self.tok, (d.calib_windows + 1) * d.seq_len, self.cfg.seed)
+        windows = data.token_windows(self.tok, text.text, d.seq_len)
+        train, held_out = (windows[:-1], windows[-1:]) if len(windows) > 1 else (windows, windows)
+        self.log(f"calibration: {text.description}, {train.numel()} tokens available")
+        self.calib = Calibration(text, train, held_out)
+        return self.calib
+
+    def evaluate_dense(self) -> None:
+        """The evaluation windows (read and tokenized once) and the dense model's perplexity."""
+        d = self.cfg.data
+        text = data.read_text_file(d.eval, "evaluation file") if d.eval else data.builtin_text("eval")
+        if text is None:
+            self.log("perplexity: skipped (no --eval file and no built-in corpus)")
+            return
+        self.evaluation = Evaluation(text.description, data.token_windows(self.tok, text.text, d.seq_len, d.eval_windows))
+        self.dense_ppl = dense_perplexity(self.model, self.evaluation.windows, self.source)
+
+    def quality(self, model) -> dict:
+        """The manifest's perplexity entry: dense against the deployable model."""
+        if self.evaluation is None:
+            return {}
+        q = {"eval": self.evaluation.description, "windows": len(self.evaluation.windows),
+             "seq_len": self.cfg.data.seq_len, "dense": self.dense_ppl,
+             "pruned": evaluate.perplexity(model, self.evaluation.windows, "perplexity (pruned)")}
+        self.log(f"perplexity: dense {q['dense']:.3f} → pruned {q['pruned']:.3f} "
+                 f"({q['windows']} windows of {q['seq_len']})")
+        return q
+
+    # --- training -----------------------------------------------------------------------------
+    def checkpoint(self, kind: str, run: list) -> Path:
+        """One checkpoint per exact run: the model's and the calibration text's content, and
+        `run`, everything else that changes what training learns."""
+        key = hashlib.sha256(json.dumps([load.fingerprint(self.source.hf_dir),
+                                         hashlib.sha256(self.calib.text.text.encode()).hexdigest(),
+                                         self.cfg.data.seq_len, run], default=str).encode()).hexdigest()[:16]
+        return load.cache_dir() / "runs" / f"{kind}-{key}.pt"
+
+    def train(self, method, chunks: torch.Tensor, steps: int, batch: int, ckpt: Path, desc: str,
+              postfix: Callable[[dict], dict]) -> dict:
+        """Step a `TrainedMethod` to `steps`, `batch` chunks a step in a seeded order (resumable),
+        checkpointing every CHECKPOINT_EVERY steps and at the end; --resume continues from the
+        checkpoint. Returns the last step's stats, where it resumed from, and the wall time."""
+        resumed = self.cfg.resume and method.load(ckpt)
+        if self.cfg.resume and not resumed:
+            self.log(f"--resume: no checkpoint of this exact run at {ckpt}; starting from step 0")
+        start_step, started, stats = method.step_count, time.time(), {}
+        bar = tqdm(total=steps, initial=method.step_count, desc=desc, unit="step")
+        while method.step_count < steps:
+            stats = method.step(chunks[batch_indices(len(chunks), batch, method.step_count, self.cfg.seed)])
+            bar.set_postfix(**postfix(stats))
+            bar.update(1)
+            if method.step_count % CHECKPOINT_EVERY == 0 or method.step_count == steps:
+                method.save(ckpt)
+        bar.close()
+        return {"final": stats, "resumed_from_step": start_step, "wall_s": round(time.time() - started, 1),
+                "checkpoint": str(ckpt)}
+
+    # --- the manifest ---------------------------------------------------------------------------
+    def manifest(self, sections: dict, quality: dict) -> dict:
+        """The manifest every package carries; `sections` (method, size, engine, checks, format)
+        come from the kind."""
+        config, t, plan = self.model.config, self.target, self.plan
+        return {
+            "schema": vllm_export.SCHEMA,
+            "format": sections.pop("format", "vllm"),
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "tool": {"name": "llm-deploy-optimizer", "version": TOOL_VERSION},
+            "source": {"model": self.source.description, "hf_dir": str(self.source.hf_dir),
+                       "architecture": (config.architectures or ["?"])[0], "family": self.adapter.family},
+            "target": {"name": t.name, "display_name": t.display_name, "kind": t.kind,
+                       "compute_capability": t.compute_capability},
+            "method": sections["method"],
+            "quality": {"perplexity": quality} if quality else {},
+            "size": sections["size"],
+            "plan": {"text": plan.text(), "reasons": plan.reasons, "prediction": plan.prediction,
+                     "engine": plan.engine, "engine_version": plan.engine_version},
+            "engine": sections["engine"],
+            "checks": sections["checks"],
+            "wall_s": round(time.time() - self.started, 1),
+        }
+
+
+def batch_indices(n: int, batch: int, step: int, seed: int) -> torch.Tensor:
+    """Batch `step` of a seeded reshuffle per pass over the data: deterministic and resumable."""
+    idx = []
+    for k in range(step * batch, (step + 1) * batch):
+        epoch, pos = divmod(k, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        idx.append(int(perm[pos]))
+    return torch.tensor(idx)
+
+
+def dense_perplexity(model, windows: torch.Tensor, source: load.ModelSource) -> float:
+    """The source model's perplexity on these exact windows, computed once per machine and
+    cached by the model's content (a model replaced at the same path is measured anew)."""
+    key = hashlib.sha256(load.fingerprint(source.hf_dir).encode() + windows.numpy().tobytes()).hexdigest()[:24]
+    path = load.cache_dir() / "perplexity" / f"{key}.json"
+    if path.is_file():
+        return json.loads(path.read_text())["perplexity"]
+    ppl = evaluate.perplexity(model, windows, "perplexity (dense)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"perplexity": ppl, "model": str(source.hf_dir), "windows": len(windows)}))
+    os.replace(tmp, path)
+    return ppl
+
+
+# --- the temporary package directory -----------------------------------------------------------
+
+def _tmp_prefix(out: Path, pid: int | str) -> str:
+    return f".{out.name}.tmp-{pid}-"
+
+
+def prepare_output(out: Path) -> Path:
+    """Fail early (before any compute) when `out` cannot be created; return a temporary
+    directory beside it, after sweeping the ones killed runs left there."""
+    out = out.expanduser().resolve()
+    if out.exists():
+        raise UserError(f"{out} already exists; choose another -o or remove it")
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        sweep_stale(parent)
+        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=_tmp_prefix(out, os.getpid())))
+    except OSError as e:
+        raise UserError(f"cannot write to {parent}: {e.strerror}") from None
+    tmp.chmod(0o755)
+    return tmp
+
+
+def sweep_stale(parent: Path) -> list[Path]:
+    """Remove the temporary package directories in `parent` whose process is gone (SIGKILL
+    cannot be trapped). A directory of a live process, or of a pid that was reused, stays."""
+    removed = []
+    for d in parent.glob(".*.tmp-*-*"):
+        pid = d.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
+        if not d.is_dir() or not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def staged(out: Path):
+    """The temporary directory for `out`, removed unless the job renamed it into place.
+
+    SIGTERM (what `docker stop`, Kubernetes and batch schedulers send) raises `Terminated`
+    while the job runs, so the same cleanup runs as for Ctrl-C or a crash."""
+    tmp = prepare_output(out)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum, frame):
+    raise Terminated()

@@ -1,0 +1,237 @@
+"""The structured kind of job: remove query heads, KV groups and MLP channels.
+
+method   the one-shot activation importance (`--method activation`), or DDP's gates trained
+         from that baseline's selection (`--method ddp`); then, uniform layout, the shape that
+         meets --retain and loses least on the held-out calibration window (DDP: the shape it
+         was held to), or, per-layer layout, DDP's own shapes at the exact budget; --refit last
+surgery  physically remove the units (`surgery.prune` / `prune_per_layer`), checked against the
+         masked model on the held-out window
+export   a vLLM package (per layer: DeciLM or the plugin's architecture), or ONNX
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+from tqdm import tqdm
+
+from exporters import per_layer as per_layer_export
+from exporters import vllm as vllm_export
+from optimizer import budget, report
+from optimizer import plan as planner
+from optimizer.errors import UserError
+from optimizer.job import MAX_MODEL_LEN, Decision, Job
+from optimizer.methods.activation import ActivationImportance
+from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts, peak_rss_gib
+from optimizer.sequential import calibration_dtype
+from optimizer.surgery import layer_shapes, masked, prune, prune_per_layer
+
+
+def exporter(fmt: str):
+    """The module that writes a package of this format: write_package(tmp, out, model, tok, manifest, report)."""
+    if fmt == "onnx":
+        from exporters import onnx as onnx_export
+        return onnx_export
+    return vllm_export
+
+
+class Structured:
+    # --- method: observe → decide ----------------------------------------------------------------
+    def method(self, job: Job) -> Decision:
+        cfg, model, adapter, calib = job.cfg, job.model, job.adapter, job.calib
+        config = model.config
+        costs = (adapter.unit_params(config) if cfg.budget == "params"
+                 else planner.unit_latency_costs(job.target, adapter, config))
+        if job.plan.method == "activation":
+            method, detail = observe_activation(job)
+        else:
+            method, detail = train_ddp(job, costs)
+        detail["calibration"] = {"source": calib.text.description, "tokens": detail.pop("tokens")}
+        if cfg.layout == "per-layer":
+            # DDP's natural result: the units with z > 0, binarised to meet the budget exactly;
+            # every block keeps its own shape.
+            masks = method.budget_masks()
+            tried, chosen, shape = [], per_layer_retention(adapter, config, masks, costs), mean_shape(masks)
+        else:
+            # DDP trained for the uniform layout was held to one shape throughout: that shape.
+            held = getattr(method, "layer_shape", None)
+            shape, masks, chosen, tried = choose_uniform(job, method, costs, [held] if held is not None else None)
+            job.log(f"shape: {shape.num_heads} heads / {shape.num_kv_heads} KV heads / {shape.intermediate_size} "
+                    f"channels per block (dense {adapter.dense_shape(config).__dict__}), "
+                    f"retention {chosen['retain']:.3f} of block parameters"
+                    + (f", {chosen['retain_budget']:.3f} of predicted latency" if cfg.budget == "latency" else ""))
+        masks = refit(job, masks, detail)
+        return Decision(masks, detail, {"shape": shape, "chosen": chosen, "tried": tried})
+
+    # --- surgery ----------------------------------------------------------------------------------
+    def surgery(self, job: Job, decision: Decision):
+        model, adapter, masks = job.model, job.adapter, decision.masks
+        if job.cfg.layout == "per-layer":
+            pruned = prune_per_layer(model, adapter, masks)
+            fmt, why = per_layer_export.choose(pruned)
+            pruned = per_layer_export.convert(pruned, fmt)
+            decision.extra["per_layer"] = {"format": fmt, "format_reason": why, "layer_shapes": layer_shapes(masks)}
+            shape = decision.extra["shape"]
+            job.log(f"per-layer shapes (mean {shape.num_heads:.2f} heads / {shape.num_kv_heads:.2f} KV heads / "
+                    f"{shape.intermediate_size:.1f} channels per block), retention "
+                    f"{decision.extra['chosen']['retain']:.3f} of block parameters; package format: {why}")
+        else:
+            pruned = prune(model, adapter, masks)
+        held_out = job.calib.held_out[:, :256]
+        with torch.inference_mode(), masked(model, adapter, masks):
+            ref = model(held_out).logits
+        with torch.inference_mode():
+            max_diff = (pruned(held_out).logits - ref).abs().max().item()
+        if max_diff > 1e-3 * max(1.0, ref.abs().max().item()):
+            raise RuntimeError(f"internal check failed: pruned model differs from the masked model by {max_diff}")
+        decision.extra["max_diff"] = max_diff
+        return pruned
+
+    # --- the manifest's sections ------------------------------------------------------------------
+    def describe(self, job: Job, decision: Decision, pruned) -> dict:
+        cfg, model, adapter, target = job.cfg, job.model, job.adapter, job.target
+        config, x = model.config, decision.extra
+        shape, chosen, per_layer = x["shape"], x["chosen"], x.get("per_layer")
+        job.plan.prediction = planner.roofline(target, adapter, config, shape)
+        dense_params = sum(p.numel() for p in model.parameters())
+        pruned_params = sum(p.numel() for p in pruned.parameters())
+        method = {"name": job.plan.method, "plan": job.plan.method, "layout": cfg.layout, "budget": cfg.budget,
+                  "retain_requested": cfg.retain, "retain_achieved": chosen["retain"],
+                  "retain_budget_achieved": chosen["retain_budget"],
+                  "dense_shape": adapter.dense_shape(config).__dict__, "shape": shape.__dict__,
+                  "candidates": x["tried"], "seed": cfg.seed, **decision.detail}
+        size = {"params_dense": dense_params, "params_pruned": pruned_params,
+                "block_params_dense": config.num_hidden_layers * adapter.block_params(config, adapter.dense_shape(config)),
+                "block_params_pruned": config.num_hidden_layers * adapter.block_params(config, shape),
+                "bf16_bytes_dense": 2 * dense_params, "bf16_bytes_pruned": 2 * pruned_params,
+                "ideal_ratio": dense_params / pruned_params}
+        if per_layer:
+            method.update(per_layer, shape={k: round(v, 2) for k, v in shape.__dict__.items()})
+            size["block_params_pruned"] = sum(p.numel() for p in adapter.blocks(pruned).parameters())
+            engine = per_layer_export.engine_section(per_layer["format"], target.kind, MAX_MODEL_LEN, job.out.name)
+        else:
+            engine = exporter(cfg.format).engine_section(target.kind, MAX_MODEL_LEN, job.out.name)
+        return {"format": cfg.format, "method": method, "size": size, "engine": engine,
+                "checks": {"masked_vs_pruned_max_abs_logit_diff": x["max_diff"]}}
+
+    # --- export -----------------------------------------------------------------------------------
+    def export(self, job: Job, pruned, manifest: dict) -> None:
+        if job.cfg.layout == "per-layer":
+            per_layer_export.write_package(job.tmp, job.out, pruned, job.tok, manifest,
+                                           report.render(manifest) + per_layer_export.report_section(manifest),
+                                           manifest["method"]["format"])
+        else:
+            exporter(job.cfg.format).write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render(manifest),
+                                                   **({"dtype": job.cfg.onnx_dtype} if job.cfg.format == "onnx" else {}))
+
+
+# --- the methods' stages ---------------------------------------------------------------------------
+
+def observe_activation(job: Job):
+    importance = ActivationImportance(job.model, job.adapter)
+    # At retention 1 every unit stays whatever the scores, so there is nothing to observe.
+    stats = job.calib.train[: job.cfg.data.calib_windows] if job.cfg.retain < 1 else job.calib.train[:0]
+    for w in tqdm(stats, desc="calibrating", unit="win"):
+        importance.observe(w[None])
+    importance.close()
+    return importance, {"tokens": stats.numel()}
+
+
+def train_ddp(job: Job, costs):
+    """DDP's gates from the one-shot baseline's own choice (same importance, same shape search):
+    training refines which units, in which layers, at which scale. The uniform layout holds every
+    layer to the baseline's shape by multipliers of its own (DDPConfig.layer_shape)."""
+    cfg, model, adapter = job.cfg, job.model, job.adapter
+    importance, _ = observe_activation(job)
+    shape, start_masks, chosen, _ = choose_uniform(job, importance, costs)
+    start = {"shape": shape.__dict__, "held_out_loss": chosen["held_out_loss"]}
+    layer_budget = cfg.layout == "uniform"
+    batch, lr_end = cfg.ddp.by_layout(cfg.layout)
+    ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp.steps, batch=batch, seed=cfg.seed,
+                        lr=cfg.ddp.lr, lr_end=lr_end, beta=cfg.ddp.beta, warmup=0.0,
+                        dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."),
+                        layer_shape=dict(start["shape"]) if layer_budget else None)
+    ddp = DDP(model, adapter, ddp_cfg, UnitCosts(*costs))
+    ddp.start_from(start_masks)
+    d = cfg.data
+    seq = cfg.ddp.seq_len if d.seq_len % cfg.ddp.seq_len == 0 else d.seq_len
+    chunks = job.calib.train.reshape(-1, seq)
+    ckpt = job.checkpoint("ddp", [seq, cfg.budget, list(costs), vars(ddp_cfg), start])
+    run = job.train(ddp, chunks, ddp_cfg.steps, ddp_cfg.batch, ckpt, "DDP gates",
+                    lambda s: {"kd": f"{s['kd']:.3f}", "retain": f"{s['retain']:.3f}", "lam": f"{s['lambda']:.2f}"})
+    ddp.close()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    heads, chans = ddp.unit_values()
+    detail = {"tokens": ddp_cfg.steps * ddp_cfg.batch * seq,
+              "ddp": {**vars(ddp_cfg), "start": "baseline", "start_from": start, "seq_len": seq,
+                      "wall_s": run["wall_s"], "resumed_from_step": run["resumed_from_step"], "final": run["final"],
+                      "peak_rss_gib": round(peak_rss_gib(), 2), "checkpoint": run["checkpoint"],
+                      "positive_gates": {"heads": sum(int((h > 0).sum()) for h in heads),
+                                         "channels": sum(int((c > 0).sum()) for c in chans)}}}
+    return ddp, detail
+
+
+def choose_uniform(job: Job, method, costs, candidates=None):
+    """The uniform shape meeting --retain whose masks (method.decide) lose least on the held-out
+    calibration window. Returns (shape, masks, chosen, tried)."""
+    cfg, model, adapter = job.cfg, job.model, job.adapter
+    config = model.config
+    candidates = candidates or budget.uniform_candidates(adapter, config, cfg.retain, costs=costs)
+    if not candidates:
+        raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
+    tried = []
+    for shape in tqdm(candidates, desc="choosing shape", unit="shape"):
+        with masked(model, adapter, method.decide(shape)):
+            loss = mean_loss(model, job.calib.held_out)
+        tried.append({"shape": shape.__dict__, "retain": budget.retention(adapter, config, shape),
+                      "retain_budget": budget.retention(adapter, config, shape, costs), "held_out_loss": loss})
+    best = min(range(len(candidates)), key=lambda i: tried[i]["held_out_loss"])
+    return candidates[best], method.decide(candidates[best]), tried[best], tried
+
+
+def refit(job: Job, masks, detail: dict):
+    """--refit: the kept o_proj / down_proj columns refitted by least squares (optimizer/refit.py)
+    on the calibration windows, kept only if the held-out calibration loss goes down: the refit
+    can raise it though each projection's own error falls (bench/results/ddp-refit/README.md)."""
+    settings = job.cfg.refit
+    if settings is None:
+        return masks
+    from optimizer.refit import refit_masks
+    model, adapter = job.model, job.adapter
+    started, windows = time.time(), job.calib.train[: job.cfg.data.calib_windows]
+    refitted = refit_masks(model, adapter, masks, windows, damp=settings.damp)
+    losses = {}
+    for name, m in (("before", masks), ("after", refitted)):
+        with masked(model, adapter, m):
+            losses[name] = mean_loss(model, job.calib.held_out)
+    applied = losses["after"] < losses["before"]
+    detail["refit"] = {"tokens": windows.numel(), "damp": settings.damp, "wall_s": round(time.time() - started, 1),
+                       "held_out_loss_before": losses["before"], "held_out_loss_after": losses["after"],
+                       "applied": applied}
+    job.log(f"refit: o_proj / down_proj kept columns refitted on {windows.numel()} tokens in "
+            f"{detail['refit']['wall_s']:.0f} s; held-out loss {losses['before']:.4f} → {losses['after']:.4f}"
+            + ("" if applied else ": worse, so the package keeps the unrefitted weights"))
+    return refitted if applied else masks
+
+
+def mean_shape(masks):
+    """The mean block of a per-layer layout: parameter counts and the roofline are linear in it."""
+    n = len(masks.blocks)
+    return SimpleNamespace(**{k: sum(s[k] for s in layer_shapes(masks)) / n
+                              for k in ("num_heads", "num_kv_heads", "intermediate_size")})
+
+
+def per_layer_retention(adapter, config, masks, costs) -> dict:
+    shapes = [SimpleNamespace(**s) for s in layer_shapes(masks)]  # a removed part counts 0 units
+    dense = adapter.dense_shape(config)
+    n = config.num_hidden_layers
+    return {"retain": sum(adapter.block_params(config, s) for s in shapes) / (n * adapter.block_params(config, dense)),
+            "retain_budget": sum(budget.block_cost(costs, s) for s in shapes) / (n * budget.block_cost(costs, dense))}
+
+
+@torch.inference_mode()
+def mean_loss(model, windows: torch.Tensor) -> float:
+    return sum(model(w[None], labels=w[None]).loss.item() for w in windows) / len(windows)
