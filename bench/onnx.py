@@ -8,7 +8,7 @@ Protocol: SmolLM2-135M (embedded), pruned by the one-shot structured method (`ac
 uniform layout) at each --retain with calibration on WikiText-2 validation (16 x 2048 tokens,
 as bench/spine.py), exported with `--format onnx` (fp32, validated on export), plus the dense
 model through the same path (`--retain 1.0`) as the baseline. Then `bench PACKAGE --baseline
-DENSE_PACKAGE` at concurrency 1 and 4: the ONNX server (serve/ort_server.py, continuous
+DENSE_PACKAGE` at concurrency 1 and 4: the ONNX server (runtime/ort_server.py, continuous
 batching) for each, alternating for --rounds rounds, best-of-N reported. The ideal ratio is
 dense / pruned ONNX weight bytes (what a memory-bound decode step streams). Writes
 bench/results/onnx/onnx.json and onnx.md; packages go under out/onnx/ (ignored by git).
@@ -133,7 +133,7 @@ def _markdown(results: dict) -> str:
     f = lambda x, fmt="{:.2f}": fmt.format(x) if x is not None else "—"  # noqa: E731
     lines = [f"# ONNX figures: {p['model']}, onnxruntime CPU", "",
              f"Method {p['method']}, {p['format']}, calibration {Path(p['calib']).name} "
-             f"({p['calib_windows']} x {p['seq_len']} tokens); serve/ort_server.py with {p['threads']} threads, "
+             f"({p['calib_windows']} x {p['seq_len']} tokens); runtime/ort_server.py with {p['threads']} threads, "
              f"prompts of {p['prompt_tokens']} random tokens, {p['output_tokens']} output tokens, best of "
              f"{p['rounds']} alternating rounds against the dense model exported the same way.", "",
              "| retain (achieved) | shape (heads/KV/MLP) | ONNX MB | ideal | " +

@@ -32,10 +32,11 @@ from exporters.plugin.modeling_per_layer import DeciLMForCausalLM
 ARCHITECTURE = "DeciLMForCausalLM"
 
 
-def why_not(model) -> str | None:
-    """None when the per-layer model can be written as DeciLM; otherwise the reason, in one line."""
+def why_not(model, llama_layout: bool = True) -> str | None:
+    """None when the per-layer model can be written as DeciLM; otherwise the reason, in one line.
+    `llama_layout`: the family's blocks are LLaMA's exactly (its adapter says so)."""
     config = model.config
-    if config.model_type != "llama_per_layer":
+    if not llama_layout:
         return f"DeciLM is a LLaMA layout and this is a {config.model_type.removesuffix('_per_layer')} model"
     if config.hidden_act != "silu":
         return f"vLLM's DeciLM supports SiLU MLPs only (this model: {config.hidden_act})"
@@ -46,9 +47,9 @@ def why_not(model) -> str | None:
     return None
 
 
-def to_decilm(model):
+def to_decilm(model, llama_layout: bool = True):
     """The same weights under a DeciLMConfig / our DeciLMForCausalLM (loaded strictly)."""
-    reason = why_not(model)
+    reason = why_not(model, llama_layout)
     if reason:
         raise ValueError(f"cannot write DeciLM: {reason}")
     config = model.config

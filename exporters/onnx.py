@@ -10,7 +10,7 @@ Package layout:
                                   the HF description (bench reads vocab_size from config.json)
   genai_config.json               for onnxruntime-genai, when the layout is uniform (exporters/genai.py)
   manifest.json, report.md        as for vLLM; manifest["checks"]["onnx"] holds the validation
-  ort_server.py, launch.sh        a copy of serve/ort_server.py, which needs only numpy,
+  ort_server.py, launch.sh        a copy of runtime/ort_server.py, which needs only numpy,
                                   onnxruntime and tokenizers, and its launcher
   Dockerfile                      the same on a slim Python image (docker/ort-cpu.Dockerfile)
 
@@ -33,14 +33,14 @@ import torch
 from exporters import genai
 from exporters.decoder import Decoder, LayerShape
 from exporters.vllm import DOCKER_DIR
-from serve.launch import MANIFEST
+from runtime.package import MANIFEST
 
 MODEL_FILE = "model.onnx"
 OPSET = 17
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # protobuf cannot serialize a message over 2 GiB; stay clear of it (initializers + graph).
 EXTERNAL_DATA_BYTES = 1_800_000_000
-SERVER_FILE = Path(__file__).resolve().parents[1] / "serve" / "ort_server.py"
+SERVER_FILE = Path(__file__).resolve().parents[1] / "runtime" / "ort_server.py"
 
 
 def engine_section(target_kind: str, max_model_len: int, served_model_name: str) -> dict:

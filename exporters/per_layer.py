@@ -54,9 +54,10 @@ packages = ["per_layer_vllm"]
 """
 
 
-def choose(model) -> tuple[str, str]:
-    """('decilm' | 'plugin', why) for a model from surgery.prune_per_layer."""
-    reason = decilm.why_not(model)
+def choose(model, llama_layout: bool) -> tuple[str, str]:
+    """('decilm' | 'plugin', why) for a model from surgery.prune_per_layer; `llama_layout`: its
+    family's blocks are LLaMA's exactly (adapter.llama_layout)."""
+    reason = decilm.why_not(model, llama_layout)
     if reason is None:
         return "decilm", "DeciLM (nemotron-nas) layout: stock vLLM serves it with --trust-remote-code"
     return "plugin", f"plugin architecture {model.config.architectures[0]}: {reason}"

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 DOCKER_DIR = Path(__file__).resolve().parents[1] / "docker"
-from serve.launch import MANIFEST, SCHEMA, server_command
+from runtime.package import MANIFEST, SCHEMA, server_command
 
 
 def recommended_args(target_kind: str, max_model_len: int) -> list[str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from optimizer.adapters import BlockShape, DecoderAdapter
 from optimizer.errors import UserError
 from optimizer.profiles import Profile
-from serve.launch import installed_vllm_version  # noqa: F401  (the planner's default engine version)
+from runtime.package import installed_vllm_version  # noqa: F401  (the planner's default engine version)
 
 # auto / structured → the planner's structured method: DDP, which starts at the one-shot
 # activation method's selection and beats it at every retention measured (bench/results/ddp/);

@@ -91,7 +91,7 @@ def refit_masks(model, adapter: DecoderAdapter, masks: Masks, windows: torch.Ten
     inputs, kwargs = block_inputs(model, adapter, windows)
     blocks = []
     for block, bm in tqdm(list(zip(adapter.blocks(model), masks.blocks)), desc="refit", unit="block"):
-        o_proj, down = adapter.attention(block)[3], adapter.mlp(block)[2]
+        o_proj, down = adapter.attention(block).o, adapter.mlp(block).down
         new = BlockMask(bm.heads, bm.kv_heads, bm.channels)
         if bm.heads:
             fit = Refit(o_proj, unit_columns(bm.heads, d), unit_scale(bm.head_scale, d, o_proj.weight))

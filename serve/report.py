@@ -5,11 +5,16 @@ Input::
     {"meta": {...free-form...},
      "runs": {"dense": {"1": [run_load result per round, ...], "16": [...]},
               "pruned": {...}},
-     "ideal_ratio": 1.43 or None}
+     "ideal_ratio": 1.43 or None,
+     "warmup": {"dense": [run_load result per round], ...}}   # optional
 
 The first label in ``runs`` is the baseline. Each (label, concurrency) cell is reduced to its
 best round ("best-of-N"): the highest output tokens/s and the lowest of each latency
 percentile over the N rounds, which filters out rounds disturbed by noise on the machine.
+
+Requests are never best-of-N: ``summary["requests"]`` adds up the requests sent, succeeded and
+failed over every round of every (label, concurrency) cell and of the warm-up runs, and
+``requests_line`` states the total, or FAILED with each cell that lost requests.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["summarize", "markdown_table", "plot", "write_report"]
+__all__ = ["summarize", "markdown_table", "requests_line", "plot", "write_report"]
 
 _LAT_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 _PCTS = ("p50", "p99")
@@ -65,6 +70,56 @@ def _conc_sort_key(c: str):
         return (1, 0.0, c)
 
 
+def _counts(rounds: list[dict]) -> dict:
+    """Requests over all rounds: sent, completed (= succeeded), failed (num_requests = both)."""
+    completed = sum(int(r.get("completed") or 0) for r in rounds)
+    failed = sum(int(r.get("failed") or 0) for r in rounds)
+    # results written before "sent" existed: every request was sent
+    sent = sum(int(r["sent"]) if r.get("sent") is not None
+               else int(r.get("completed") or 0) + int(r.get("failed") or 0) for r in rounds)
+    return {"sent": sent, "completed": completed, "failed": failed}
+
+
+def _first_errors(rounds: list[dict], limit: int = 3) -> list[str]:
+    errs: list[str] = []
+    for r in rounds:
+        for e in r.get("errors") or []:
+            if e not in errs:
+                errs.append(str(e))
+    return errs[:limit]
+
+
+def _requests(results: dict, best: dict[str, dict[str, dict]]) -> dict:
+    """Requests sent / succeeded / failed per label and level, per label's warm-up, and in all."""
+    levels = {label: {c: {"sent": cell["sent"], "succeeded": cell["completed"], "failed": cell["failed"]}
+                      for c, cell in per_conc.items()}
+              for label, per_conc in best.items()}
+    warmup = {}
+    for label, rounds in (results.get("warmup") or {}).items():
+        n = _counts(list(rounds or []))
+        warmup[str(label)] = {"sent": n["sent"], "succeeded": n["completed"], "failed": n["failed"]}
+    cells = [n for per in levels.values() for n in per.values()] + list(warmup.values())
+    lost = []
+    for label, per in levels.items():
+        for c, n in per.items():
+            if n["failed"]:
+                rounds = (results.get("runs") or {}).get(label, {}).get(c) or []
+                lost.append({"label": label, "concurrency": c, **n, "errors": _first_errors(rounds)})
+    for label, n in warmup.items():
+        if n["failed"]:
+            lost.append({"label": label, "concurrency": "warm-up", **n,
+                         "errors": _first_errors(results["warmup"][label])})
+    return {
+        "sent": sum(n["sent"] for n in cells),
+        "succeeded": sum(n["succeeded"] for n in cells),
+        "failed": sum(n["failed"] for n in cells),
+        "all_succeeded": not any(n["failed"] for n in cells),
+        "levels": levels,
+        "warmup": warmup,
+        "lost": lost,  # the cells that lost requests, with their first error messages
+    }
+
+
 def _best(rounds: list[dict]) -> dict:
     """Best-of-N reduction of a list of run_load results."""
     rounds = list(rounds or [])
@@ -72,8 +127,7 @@ def _best(rounds: list[dict]) -> dict:
         "rounds": len(rounds),
         "output_tokens_per_s": _max(r.get("output_tokens_per_s") for r in rounds),
         "requests_per_s": _max(r.get("requests_per_s") for r in rounds),
-        "completed": sum(int(r.get("completed") or 0) for r in rounds),
-        "failed": sum(int(r.get("failed") or 0) for r in rounds),
+        **_counts(rounds),
     }
     for key in _LAT_KEYS:
         cell[key] = {
@@ -90,10 +144,16 @@ def summarize(results: dict) -> dict:
         {"baseline": "dense", "labels": [...], "concurrencies": ["1", "16"],
          "ideal_ratio": 1.43 | None, "meta": {...},
          "best": {label: {conc: {"rounds", "output_tokens_per_s", "requests_per_s",
-                                 "completed", "failed", "ttft_ms": {"p50","p99"},
+                                 "sent", "completed", "failed", "ttft_ms": {"p50","p99"},
                                  "tpot_ms": {...}, "e2e_ms": {...}}}},
          "ratios": {label: {conc: {"tokens_per_s", "ttft_p50", "tpot_p50", "e2e_p50",
-                                   "fraction_of_ideal"}}}}
+                                   "fraction_of_ideal"}}},
+         "requests": {"sent", "succeeded", "failed", "all_succeeded",
+                      "levels": {label: {conc: {"sent", "succeeded", "failed"}}},
+                      "warmup": {label: {"sent", "succeeded", "failed"}},
+                      "lost": [{"label", "concurrency", "sent", "succeeded", "failed", "errors"}]}}
+
+    Counts in ``best`` and ``requests`` are sums over the rounds, not a best-of-N.
 
     ``tokens_per_s`` ratio > 1 means faster than the baseline; latency ratios < 1 mean lower
     latency than the baseline.
@@ -144,6 +204,7 @@ def summarize(results: dict) -> dict:
         "meta": results.get("meta") or {},
         "best": best,
         "ratios": ratios,
+        "requests": _requests(results, best),
     }
 
 
@@ -194,8 +255,28 @@ def markdown_table(summary: dict) -> str:
             lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     lines.append("Latencies in ms. TTFT: time to first token; TPOT: time per output token after "
-                 "the first; E2E: whole request.")
+                 "the first; E2E: whole request. failed: failed / requested, over all rounds.")
+    if "requests" in summary:
+        lines += ["", requests_line(summary)]
     return "\n".join(lines) + "\n"
+
+
+def requests_line(summary: dict) -> str:
+    """One line: every request succeeded, or FAILED with the cells that lost requests."""
+    req = summary["requests"]
+    warm = sum(n["sent"] for n in req["warmup"].values())
+    warm_txt = f" (including {warm} warm-up)" if warm else ""
+    if req["all_succeeded"]:
+        return (f"Requests: {req['succeeded']} of {req['sent']} sent{warm_txt} succeeded, "
+                f"none lost.")
+    cells = "; ".join(
+        f"{x['label']} {'warm-up' if x['concurrency'] == 'warm-up' else 'c=' + str(x['concurrency'])}: "
+        f"{x['failed']} of {x['succeeded'] + x['failed']} failed"
+        + (f" ({x['errors'][0]})" if x["errors"] else "")
+        for x in req["lost"]
+    )
+    return (f"FAILED: {req['failed']} of {req['succeeded'] + req['failed']} requests{warm_txt} lost — "
+            f"{cells}.")
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from serve.loadgen import LoadSpec, complete, make_prompts, run_load, wait_for_s
 
 TOKEN_SLEEP = 0.004  # seconds per generated token
 PREFILL_SLEEP = 0.010  # seconds before the first token
+HELD_BACK = 3  # "held_back_first" mode: the first tokens stream with empty text,
+HELD_BACK_GAP = 0.3  # then this long a pause before the first visible text
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -63,6 +65,12 @@ class _Handler(BaseHTTPRequestHandler):
             text = " Paris" if "capital of France" in str(body["prompt"]) else " tok" * n
             return self._json(200, {"choices": [{"index": 0, "text": text, "finish_reason": "length"}],
                                     "usage": {"completion_tokens": n}})
+        with srv.lock:
+            index = srv.streams
+            srv.streams += 1
+        mode = srv.mode
+        if srv.lose_every and index % srv.lose_every == srv.lose_every - 1:
+            mode = "usage0"  # this one generates nothing
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -70,13 +78,22 @@ class _Handler(BaseHTTPRequestHandler):
         time.sleep(PREFILL_SLEEP)
         for i in range(n):
             if i:
-                time.sleep(TOKEN_SLEEP)
-            chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}], "usage": None}
+                time.sleep(HELD_BACK_GAP if mode == "held_back_first" and i == HELD_BACK else TOKEN_SLEEP)
+            # vLLM streams a choice for every token; its text is empty while the detokenizer holds
+            # the token's bytes back (part of a UTF-8 character, a skipped special token)
+            empty = mode in ("empty_text", "usage0", "no_usage_no_text") or (
+                mode == "held_back_first" and i < HELD_BACK)
+            chunk = {"choices": [{"index": 0, "text": "" if empty else f" t{i}", "logprobs": None,
+                                  "finish_reason": "length" if i == n - 1 else None, "stop_reason": None,
+                                  "token_ids": None}], "usage": None}
             self._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
-        usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
-                                          "completion_tokens": n, "total_tokens": n + len(body["prompt"])}}
-        self._chunk(f"data: {json.dumps(usage)}\n\n".encode())
-        self._chunk(b"data: [DONE]\n\n")
+        if mode not in ("no_usage", "no_usage_no_text"):
+            m = 0 if mode == "usage0" else n
+            usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                              "completion_tokens": m, "total_tokens": m + len(body["prompt"])}}
+            self._chunk(f"data: {json.dumps(usage)}\n\n".encode())
+        if mode != "no_done":
+            self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")  # terminating zero-length chunk
 
 
@@ -85,6 +102,8 @@ def server():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     srv.daemon_threads = True
     srv.mode = "ok"
+    srv.lose_every = 0  # > 0: every lose_every-th stream generates no tokens (usage 0, no text)
+    srv.streams = 0
     srv.bodies = []
     srv.connections = 0
     srv.lock = threading.Lock()
@@ -164,6 +183,71 @@ def test_run_load_connection_refused_does_not_crash():
     assert res["completed"] == 0 and res["failed"] == 3 and res["errors"]
 
 
+def test_tokens_streamed_with_empty_text_count_when_usage_has_them(server):
+    """vLLM streams a token whose bytes its detokenizer holds back (part of a UTF-8 character, a
+    skipped special token) as a chunk with empty text; a whole stream can look like that while
+    usage counts every token. It generated what was asked: a success, not a lost request."""
+    srv, url = server
+    srv.mode = "empty_text"
+    out_tokens = 6
+    res = run_load(url, "fake", LoadSpec(2, 4, prompt_tokens=8, output_tokens=out_tokens), vocab_size=500,
+                   timeout_s=30)
+    assert res["failed"] == 0 and res["errors"] == [] and res["error_counts"] == {}
+    assert res["completed"] == res["sent"] == 4
+    assert res["output_tokens_per_s"] == pytest.approx(4 * out_tokens / res["wall_s"])
+    ttft, tpot, e2e = res["ttft_ms"], res["tpot_ms"], res["e2e_ms"]
+    assert PREFILL_SLEEP * 1000 * 0.9 <= ttft["p50"] < e2e["p50"]
+    assert TOKEN_SLEEP * 1000 * 0.9 <= tpot["p50"]
+
+
+def test_time_to_first_token_is_the_first_chunk_even_when_its_text_is_held_back(server):
+    srv, url = server
+    srv.mode = "held_back_first"  # HELD_BACK empty-text chunks, a long pause, then text
+    res = run_load(url, "fake", LoadSpec(1, 2, prompt_tokens=8, output_tokens=HELD_BACK + 3), vocab_size=500,
+                   timeout_s=30)
+    assert res["completed"] == 2 and res["failed"] == 0
+    assert res["e2e_ms"]["p50"] >= HELD_BACK_GAP * 1000  # the pause is inside the request...
+    assert res["ttft_ms"]["p50"] < HELD_BACK_GAP * 1000 / 2  # ...but after its first token
+
+
+@pytest.mark.parametrize("mode", ["usage0", "no_usage_no_text"])
+def test_a_stream_without_any_token_still_fails(server, mode):
+    """Empty chunks with usage completion_tokens 0, or with no usage at all: nothing generated."""
+    srv, url = server
+    srv.mode = mode
+    res = run_load(url, "fake", LoadSpec(2, 3, prompt_tokens=8, output_tokens=4), vocab_size=500, timeout_s=30)
+    assert res["completed"] == 0 and res["failed"] == res["sent"] == 3
+    assert all("without any output tokens" in e for e in res["errors"])
+    assert sum(res["error_counts"].values()) == 3
+    assert res["output_tokens_per_s"] == 0.0 and res["ttft_ms"]["p50"] is None
+
+
+def test_without_usage_the_chunks_with_text_are_the_tokens(server):
+    srv, url = server
+    srv.mode = "no_usage"
+    res = run_load(url, "fake", LoadSpec(2, 4, prompt_tokens=8, output_tokens=5), vocab_size=500, timeout_s=30)
+    assert res["completed"] == 4 and res["failed"] == 0
+    assert res["output_tokens_per_s"] == pytest.approx(4 * 5 / res["wall_s"])
+
+
+def test_a_stream_cut_before_done_is_lost(server):
+    srv, url = server
+    srv.mode = "no_done"  # text and usage, but the stream ends without data: [DONE]
+    res = run_load(url, "fake", LoadSpec(1, 2, prompt_tokens=8, output_tokens=4), vocab_size=500, timeout_s=30)
+    assert res["completed"] == 0 and res["failed"] == 2
+    assert all("[DONE]" in e for e in res["errors"])
+
+
+def test_lost_requests_are_counted_among_those_sent(server):
+    srv, url = server
+    srv.lose_every = 4  # streams 3, 7, 11 generate nothing
+    res = run_load(url, "fake", LoadSpec(4, 12, prompt_tokens=8, output_tokens=4), vocab_size=500, timeout_s=30)
+    assert res["sent"] == res["num_requests"] == 12 == len(srv.bodies)
+    assert res["completed"] == 9 and res["failed"] == 3
+    assert list(res["error_counts"].values()) == [3]
+    assert res["output_tokens_per_s"] == pytest.approx(9 * 4 / res["wall_s"])
+
+
 def test_complete_non_streaming(server):
     srv, url = server
     assert complete(url, "fake", "The capital of France is", max_tokens=4) == " Paris"
@@ -219,7 +303,7 @@ def test_wait_for_server_fails_fast_when_process_exited():
 def _run(tok_s, ttft, tpot, e2e, conc):
     return {
         "concurrency": conc, "num_requests": 4 * conc, "prompt_tokens": 128, "output_tokens": 64,
-        "completed": 4 * conc, "failed": 0, "errors": [], "wall_s": 1.0,
+        "sent": 4 * conc, "completed": 4 * conc, "failed": 0, "errors": [], "wall_s": 1.0,
         "output_tokens_per_s": tok_s, "requests_per_s": tok_s / 64,
         "ttft_ms": {"p50": ttft, "p99": ttft * 2, "mean": ttft * 1.1},
         "tpot_ms": {"p50": tpot, "p99": tpot * 1.5, "mean": tpot},
@@ -301,3 +385,91 @@ def test_ideal_ratio_against_another_package_is_the_quotient_of_both_ideals():
     pkg = {"size": {"ideal_ratio": 1.33}}
     assert ideal_ratio(pkg, None) == 1.33  # against the dense model
     assert ideal_ratio(pkg, {"size": {"ideal_ratio": 1.32}}) == pytest.approx(1.33 / 1.32)
+
+
+def test_requests_sent_succeeded_failed_per_level_and_a_failed_line():
+    from serve.report import markdown_table, requests_line, summarize
+
+    results = _synthetic_results()
+    results["warmup"] = {"dense": [_run(50, 1, 1, 1, 16)], "pruned": [_run(50, 1, 1, 1, 16)]}
+    s = summarize(results)
+    req = s["requests"]
+    assert req["all_succeeded"] and req["failed"] == 0 and req["lost"] == []
+    assert req["levels"]["pruned"]["16"] == {"sent": 128, "succeeded": 128, "failed": 0}  # 2 rounds x 64
+    assert req["warmup"]["dense"] == {"sent": 64, "succeeded": 64, "failed": 0}
+    assert req["sent"] == req["succeeded"] == 2 * (2 * 4 + 2 * 64) + 2 * 64
+    assert requests_line(s).startswith("Requests: ") and "none lost" in markdown_table(s)
+
+    lossy = _run(900, 70, 17, 1150, 16)
+    lossy.update(completed=63, failed=1, errors=["stream ended without any output tokens"],
+                 error_counts={"stream ended without any output tokens": 1})
+    results["runs"]["dense"]["16"][0] = lossy
+    warm = _run(50, 1, 1, 1, 16)
+    warm.update(sent=60, completed=60, failed=4, errors=["run deadline of 600s exceeded"])  # 4 never sent
+    results["warmup"]["pruned"] = [warm]
+    s = summarize(results)
+    req = s["requests"]
+    assert not req["all_succeeded"] and req["failed"] == 5
+    assert req["levels"]["dense"]["16"] == {"sent": 128, "succeeded": 127, "failed": 1}
+    assert req["warmup"]["pruned"] == {"sent": 60, "succeeded": 60, "failed": 4}
+    assert [(x["label"], x["concurrency"], x["failed"]) for x in req["lost"]] == [
+        ("dense", "16", 1), ("pruned", "warm-up", 4)]
+    line = requests_line(s)
+    assert line.startswith("FAILED: 5 of ")
+    assert "dense c=16: 1 of 128 failed (stream ended without any output tokens)" in line
+    assert "pruned warm-up: 4 of 64 failed" in line
+    md = markdown_table(s)
+    assert line in md and "| 1/128 |" in md
+    assert s["best"]["dense"]["16"]["output_tokens_per_s"] == 1000  # best-of-N is unchanged
+
+
+# --------------------------------------------------------------------------------------------
+# bench, with the fake server standing in for both vLLM servers
+
+
+def _fake_package(path, ideal):
+    from serve import launch
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    (path / launch.MANIFEST).write_text(json.dumps({
+        "schema": launch.SCHEMA, "engine": {"served_model_name": path.name, "args": []},
+        "size": {"ideal_ratio": ideal}}))
+    return path
+
+
+@pytest.mark.parametrize("mode,lose_every,exit_code", [("ok", 0, 0), ("empty_text", 0, 0), ("ok", 5, 1)])
+def test_bench_states_lost_requests_and_fails_on_any(server, tmp_path, monkeypatch, mode, lose_every,
+                                                     exit_code):
+    import contextlib
+
+    from click.testing import CliRunner
+
+    from serve import cli
+
+    srv, url = server
+    srv.mode, srv.lose_every = mode, lose_every
+    monkeypatch.setattr(cli.launch, "running", lambda *a, **k: contextlib.nullcontext())  # no vLLM
+    pkg = _fake_package(tmp_path / "pruned-pkg", 1.5)
+    base = _fake_package(tmp_path / "dense-pkg", 1.0)
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(cli.bench, [str(pkg), "--baseline", str(base), "--concurrency", "1,3",
+                                       "--requests", "5", "--rounds", "1", "--prompt-tokens", "8",
+                                       "--output-tokens", "3", "--port", str(srv.server_address[1]),
+                                       "--out", str(out)], catch_exceptions=False)
+    assert r.exit_code == exit_code, r.output
+    # warm-up (3) and two levels (5 each), for each model
+    assert len(srv.bodies) == 2 * (3 + 5 + 5)
+    summary = json.loads((out / "bench.json").read_text())["summary"]
+    req = summary["requests"]
+    assert req["sent"] == 26 and req["succeeded"] + req["failed"] == 26
+    assert set(req["levels"]) == {"dense", "pruned"} and set(req["levels"]["dense"]) == {"1", "3"}
+    md = (out / "bench.md").read_text()
+    if exit_code == 0:
+        assert req["all_succeeded"] and req["failed"] == 0
+        assert "Requests: 26 of 26 sent (including 6 warm-up) succeeded, none lost." in md
+        assert "FAILED" not in r.output
+    else:
+        assert req["failed"] == 26 // 5 and not req["all_succeeded"]
+        failed_lines = [ln for ln in r.output.splitlines() if ln.startswith("FAILED: ")]
+        assert failed_lines and f"FAILED: {26 // 5} of 26 requests" in failed_lines[0]
+        assert "without any output tokens" in failed_lines[0] and failed_lines[0] in md

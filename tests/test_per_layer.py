@@ -42,7 +42,7 @@ def _x():
 
 def _write(tmp_path, model, tok=None, name="pkg"):
     """The package as the pipeline writes it (fp32 here, so logits compare at 1e-5)."""
-    fmt, _ = per_layer.choose(model)
+    fmt, _ = per_layer.choose(model, llama_layout=model.config.model_type == "llama_per_layer")
     model = per_layer.convert(model, fmt)
     tmp = tmp_path / f".{name}.tmp"
     tmp.mkdir()
@@ -150,7 +150,7 @@ def test_plugin_package_carries_shapes_code_and_an_installable_plugin(tmp_path):
     model = tiny_model("qwen3")
     adapter = get_adapter(model.config)
     pruned = prune_per_layer(model, adapter, Masks(CASES["kv"]))  # uniform heads, but not LLaMA
-    fmt, why = per_layer.choose(pruned)
+    fmt, why = per_layer.choose(pruned, adapter.llama_layout)
     assert fmt == "plugin" and "qwen3" in why
     fmt, pkg = _write(tmp_path, pruned)
     raw = json.loads((pkg / "config.json").read_text())
@@ -168,7 +168,8 @@ def test_plugin_package_carries_shapes_code_and_an_installable_plugin(tmp_path):
 
 def test_llama_with_per_layer_query_heads_goes_to_the_plugin():
     model = tiny_model("llama")
-    fmt, why = per_layer.choose(prune_per_layer(model, get_adapter(model.config), Masks(CASES["heads"])))
+    adapter = get_adapter(model.config)
+    fmt, why = per_layer.choose(prune_per_layer(model, adapter, Masks(CASES["heads"])), adapter.llama_layout)
     assert fmt == "plugin" and "query heads differ per layer (3, 4)" in why
 
 

@@ -25,8 +25,8 @@ def test_keeping_every_unit_gives_back_the_original_weights():
     everything = BlockMask(list(range(8)), [0, 1], list(range(96)))
     refitted = refit_masks(model, adapter, Masks([everything] * 2), _windows(), damp=0.5)
     for block, bm in zip(adapter.blocks(model), refitted.blocks):
-        torch.testing.assert_close(bm.o_proj_columns, adapter.attention(block)[3].weight, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(bm.down_columns, adapter.mlp(block)[2].weight, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(bm.o_proj_columns, adapter.attention(block).o.weight, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(bm.down_columns, adapter.mlp(block).down.weight, atol=1e-5, rtol=1e-4)
 
 
 def test_the_refit_reproduces_the_unpruned_projection_better():
@@ -40,7 +40,7 @@ def test_the_refit_reproduces_the_unpruned_projection_better():
     windows = _windows()
     refitted = refit_masks(model, adapter, masks, windows)
     block0 = adapter.blocks(model)[0]
-    o_proj = adapter.attention(block0)[3]
+    o_proj = adapter.attention(block0).o
     captured = {}
     handle = o_proj.register_forward_hook(lambda _m, _a, y: captured.__setitem__("y", y))
     errors = {}

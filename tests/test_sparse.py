@@ -123,7 +123,7 @@ def test_each_block_is_calibrated_on_the_outputs_of_the_pruned_blocks_before_it(
             super().add_batch(inp)
 
     prune_blockwise(model, adapter, windows, Recording, parse("2:4"))
-    q1 = adapter.attention(adapter.blocks(model)[1])[0]
+    q1 = adapter.attention(adapter.blocks(model)[1]).q
     after = []
     h = q1.register_forward_hook(lambda m, a, y: after.append(a[0].clone()))
     with torch.no_grad():

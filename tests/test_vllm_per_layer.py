@@ -92,7 +92,7 @@ def packages(tmp_path_factory, tokenizer):
         x = torch.tensor([tokenizer(PROMPTS[0]).input_ids])
         with torch.inference_mode(), masked(model, adapter, masks):
             torch.testing.assert_close(pruned(x).logits, model(x).logits, atol=1e-5, rtol=1e-5)
-        fmt, _ = per_layer.choose(pruned)
+        fmt, _ = per_layer.choose(pruned, adapter.llama_layout)
         assert fmt == name.split("-")[0]
         tmp = root / f".{name}.tmp"
         tmp.mkdir()

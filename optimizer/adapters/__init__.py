@@ -5,7 +5,7 @@ A new family is one new module here plus one line in _ADAPTERS.
 
 from __future__ import annotations
 
-from optimizer.adapters.base import BlockShape, DecoderAdapter
+from optimizer.adapters.base import MLP, Attention, BlockShape, DecoderAdapter, Norms
 from optimizer.adapters.llama import LlamaAdapter
 from optimizer.adapters.mistral import MistralAdapter
 from optimizer.adapters.mixtral import MixtralAdapter, MoEAdapter, MoEParts
@@ -32,4 +32,4 @@ def get_adapter(config) -> DecoderAdapter:
     return _ADAPTERS[model_type]
 
 
-__all__ = ["BlockShape", "DecoderAdapter", "MoEAdapter", "MoEParts", "get_adapter", "supported_model_types"]
+__all__ = ["MLP", "Attention", "BlockShape", "DecoderAdapter", "Norms", "MoEAdapter", "MoEParts", "get_adapter", "supported_model_types"]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import torch
 from torch import nn
 
 
@@ -27,6 +29,27 @@ class BlockShape:
             raise ValueError(f"query heads must split evenly over KV heads: {self}")
 
 
+class Attention(NamedTuple):
+    """A block's attention projections: q/k/v rows are per head, o's columns per head."""
+    q: nn.Linear
+    k: nn.Linear
+    v: nn.Linear
+    o: nn.Linear
+
+
+class MLP(NamedTuple):
+    """A block's gated MLP: gate/up rows and down's columns are per channel."""
+    gate: nn.Linear
+    up: nn.Linear
+    down: nn.Linear
+
+
+class Norms(NamedTuple):
+    """The RMSNorms in front of attention and of the MLP."""
+    attention: nn.Module
+    mlp: nn.Module
+
+
 class DecoderAdapter:
     """A LLaMA-style decoder. Subclasses set the class attributes for their family."""
 
@@ -36,27 +59,30 @@ class DecoderAdapter:
     o_bias_key: str | None = None # config flag that would give o_proj a bias
     # vLLM's implementation of some families derives head_dim as hidden // heads and
     # ignores config.head_dim; their models cannot lose query heads under their own
-    # architecture name, see export_architecture().
+    # architecture name, see pruned_checkpoint().
     engine_reads_head_dim: bool = True
     # transformers' LlamaConfig rejects hidden_size % num_attention_heads != 0 even when
     # head_dim is explicit, so such shapes would not load back in transformers.
     heads_divide_hidden: bool = False
+    # The blocks are LLaMA's exactly (no biases, no per-head norms): a per-layer model of this
+    # family can be written as DeciLM, which stock vLLM serves.
+    llama_layout: bool = False
 
     # --- where things live -------------------------------------------------------------
     def blocks(self, model) -> nn.ModuleList:
         return model.model.layers
 
-    def attention(self, block) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
+    def attention(self, block) -> Attention:
         a = block.self_attn
-        return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+        return Attention(a.q_proj, a.k_proj, a.v_proj, a.o_proj)
 
-    def mlp(self, block) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+    def mlp(self, block) -> MLP:
         m = block.mlp
-        return m.gate_proj, m.up_proj, m.down_proj
+        return MLP(m.gate_proj, m.up_proj, m.down_proj)
 
-    def norms(self, block) -> tuple[nn.Module, nn.Module]:
+    def norms(self, block) -> Norms:
         """The RMSNorms feeding attention and the MLP (SI folds input scales into their weights)."""
-        return block.input_layernorm, block.post_attention_layernorm
+        return Norms(block.input_layernorm, block.post_attention_layernorm)
 
     def input_widths(self, config) -> dict[str, int]:
         """Input features of the block's Linears, from the config alone (N:M checks before loading)."""
@@ -110,6 +136,12 @@ class DecoderAdapter:
         """Can a checkpoint of this shape be saved under a config transformers and vLLM accept?"""
         return not self.heads_divide_hidden or config.hidden_size % shape.num_heads == 0
 
-    def export_architecture(self, config, shape: BlockShape) -> str | None:
-        """Name of another architecture to save as, when the family's own cannot hold `shape`."""
+    def pruned_checkpoint(self, config, shape: BlockShape, state_dict: dict, model):
+        """(config, state dict) of the uniformly pruned model as it is saved: the family's own
+        architecture by default; a family whose engine cannot hold `shape` under its own name
+        saves as another architecture here (Qwen2)."""
+        return self.pruned_config(config, shape), state_dict
+
+    def per_layer_refusal(self, config, shapes: list[dict]) -> str | None:
+        """Why these per-layer shapes cannot be written as our per-layer model, or None."""
         return None

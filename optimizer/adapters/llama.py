@@ -8,3 +8,4 @@ class LlamaAdapter(DecoderAdapter):
     family = "llama"
     o_bias_key = "attention_bias"
     heads_divide_hidden = True
+    llama_layout = True

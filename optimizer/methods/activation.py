@@ -30,7 +30,7 @@ class ActivationImportance(Method):
         self.head_scores, self.channel_scores, self._handles = [], [], []
         self.tokens = 0
         for block in adapter.blocks(model):
-            o_proj, down = adapter.attention(block)[3], adapter.mlp(block)[2]
+            o_proj, down = adapter.attention(block).o, adapter.mlp(block).down
             w = o_proj.weight.detach().float().view(o_proj.out_features, self.dense.num_heads, self.head_dim)
             gram = torch.einsum("ohd,ohe->hde", w, w)  # [H, d, d]
             col_norm2 = down.weight.detach().float().pow(2).sum(0)  # [I]

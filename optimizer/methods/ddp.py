@@ -149,7 +149,7 @@ class DDP(GateTraining):
             p.requires_grad_(False)
         self._handles = []
         for i, block in enumerate(adapter.blocks(model)):
-            o_proj, down = adapter.attention(block)[3], adapter.mlp(block)[2]
+            o_proj, down = adapter.attention(block).o, adapter.mlp(block).down
             self._handles.append(o_proj.register_forward_pre_hook(self._gate_hook(i, "head")))
             self._handles.append(down.register_forward_pre_hook(self._gate_hook(i, "channel")))
 

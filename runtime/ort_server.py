@@ -1,6 +1,6 @@
 """OpenAI-compatible completions server for an ONNX package: onnxruntime + a batching loop.
 
-    python -m serve.ort_server PACKAGE --host 127.0.0.1 --port 8000
+    python -m runtime.ort_server PACKAGE --host 127.0.0.1 --port 8000
 
 Why our own server: onnxruntime runs a graph, not a service, and the ONNX package must answer
 the same `/v1/completions` requests as the vLLM one so that `bench` and `serve/loadgen.py`
