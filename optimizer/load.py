@@ -112,9 +112,10 @@ def _short_name(name: str) -> str:
 
 def _from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
     try:
         return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:
+    except LocalEntryNotFoundError:  # not in the local cache: try the hub
         pass
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model",

@@ -211,7 +211,7 @@ def detect_gpus() -> list[dict]:
         try:
             cuda = pynvml.nvmlSystemGetCudaDriverVersion()
             cuda = f"{cuda // 1000}.{cuda % 1000 // 10}"
-        except Exception:
+        except pynvml.NVMLError:  # an old driver without the call: the CUDA version stays unknown
             cuda = None
         gpus = []
         for i in range(pynvml.nvmlDeviceGetCount()):
@@ -229,7 +229,7 @@ def detect_gpus() -> list[dict]:
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:
+        except pynvml.NVMLError:  # shutting down what failed to start: nothing to report
             pass
 
 

@@ -63,13 +63,6 @@ class ActivationImportance(Method):
         self.add_batch(self.model, input_ids)
         return {}
 
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    close = remove_hooks
-
     # --- decide --------------------------------------------------------------------------
     def decide(self, shape: BlockShape) -> Masks:
         return select_uniform(self.head_scores, self.channel_scores, self.dense, shape)

@@ -33,7 +33,13 @@ class Method:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Remove whatever hooks `observe` needed."""
+        """Remove the hooks `observe` needed (those a method keeps in `self._handles`)."""
+        for h in getattr(self, "_handles", ()):
+            h.remove()
+        self._handles = []
+
+    def remove_hooks(self) -> None:
+        self.close()
 
 
 class TrainedMethod(Method):

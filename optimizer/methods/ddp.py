@@ -167,13 +167,6 @@ class DDP(GateTraining):
             return (args[0] * g.to(args[0].dtype),) + tuple(args[1:])
         return hook
 
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    close = remove_hooks
-
     def layer_excess(self, mu: float) -> torch.Tensor:
         """Per layer, the expected cost of its heads (with their KV groups) and of its channels
         over `layer_shape`'s, in fractions of the dense model's cost, so that with β·L the terms

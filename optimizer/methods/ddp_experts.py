@@ -68,13 +68,6 @@ class ExpertGates(GateTraining):
             ok[z.topk(self.k).indices] = True
         return None if ok.all() else ok
 
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    close = remove_hooks
-
     def scores(self, mu: float) -> torch.Tensor:
         return (self.z / mu).clamp(0, 1)
 

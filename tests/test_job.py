@@ -1,0 +1,66 @@
+"""The job skeleton's own promises: caches and checkpoints keyed by content, a resumable batch order."""
+
+from __future__ import annotations
+
+import torch
+
+from optimizer import load
+from optimizer.job import batch_indices, dense_perplexity
+
+
+def _model_dir(tmp_path, fill: float):
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    (d / "model.safetensors").write_bytes(bytes([int(fill)]) * 4096)
+    import os
+    os.utime(d / "model.safetensors", ns=(int(fill) * 10**9, int(fill) * 10**9))  # replaced: a new mtime
+    return d
+
+
+def test_the_fingerprint_follows_the_content_not_the_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
+    d = _model_dir(tmp_path, 1)
+    first = load.fingerprint(d)
+    assert load.fingerprint(d) == first  # remembered, and stable
+    _model_dir(tmp_path, 2)  # replaced in place: same path, same size
+    assert load.fingerprint(d) != first
+
+
+def test_the_dense_perplexity_of_a_replaced_model_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr("optimizer.evaluate.perplexity", lambda model, w, desc="": calls.append(1) or 10.0 + len(calls))
+    source = load.ModelSource(_model_dir(tmp_path, 1), "test model", "test")
+    windows = torch.arange(32).view(2, 16)
+    assert dense_perplexity(None, windows, source) == 11.0
+    assert dense_perplexity(None, windows, source) == 11.0 and len(calls) == 1  # cached
+    _model_dir(tmp_path, 3)
+    assert dense_perplexity(None, windows, source) == 12.0  # not the stale figure
+
+
+def test_batch_order_is_seeded_covers_every_chunk_per_pass_and_resumes_anywhere():
+    n, batch = 10, 3
+    order = torch.cat([batch_indices(n, batch, step, seed=7) for step in range(10)])
+    for epoch in range(3):
+        assert sorted(order[epoch * n:(epoch + 1) * n].tolist()) == list(range(n))
+    assert torch.equal(batch_indices(n, batch, 5, seed=7), order[15:18])  # step 5 alone = step 5 in a run
+    assert not torch.equal(torch.cat([batch_indices(n, batch, s, seed=8) for s in range(10)]), order)
+
+
+def test_a_checkpoint_is_keyed_by_the_calibration_text_and_the_model_not_their_paths(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from optimizer.config import OptimizeConfig
+    from optimizer.data import Text
+    from optimizer.job import Calibration, Job
+    monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
+    source = load.ModelSource(_model_dir(tmp_path, 1), "test model", "test")
+    job = Job(OptimizeConfig(), None, None, source, None, Path("out"), Path("tmp"))
+    keys = []
+    for text in ("the same path, one text", "the same path, another text"):
+        job.calib = Calibration(Text(text, "file /same/path.txt"), torch.zeros(1, 16), torch.zeros(1, 16))
+        keys.append(job.checkpoint("ddp", ["settings"]))
+    assert keys[0] != keys[1]
+    _model_dir(tmp_path, 5)
+    assert job.checkpoint("ddp", ["settings"]) != keys[1]
