@@ -6,7 +6,16 @@ runs of a dense and a pruned model generate exactly the same amount of work.
 
 Per request we record time to first token (TTFT), end-to-end latency (e2e), the number of
 output tokens and time per output token (TPOT = (e2e - ttft) / (n_out - 1)); ``run_load``
-aggregates them into throughput and p50/p99/mean latencies.
+aggregates them into throughput and p50/p99/mean latencies, and counts the requests sent,
+succeeded and failed (a benchmark that loses requests must say so: see ``bench``).
+
+A request succeeds when its stream ends with ``data: [DONE]`` and generated at least one token.
+The token count is the final ``usage.completion_tokens`` (we always ask for it); only a server
+that sends no usage falls back to counting chunks with text or token ids. A chunk's ``text`` can
+be empty although it carries a token: vLLM streams one choice per engine step and its
+incremental detokenizer holds back bytes that are not yet valid UTF-8 (a byte-level BPE token
+that is part of a multi-byte character) and drops special tokens (``skip_special_tokens``), so
+random-token prompts can make a whole stream of tokens show no text at all.
 """
 
 from __future__ import annotations
@@ -193,6 +202,7 @@ class _Result:
     ttft: float | None = None
     n_out: int = 0
     error: str | None = None
+    sent: bool = True  # False: never sent (the run's deadline had passed)
 
 
 class _StreamError(Exception):
@@ -214,8 +224,17 @@ def _one_request(conn: http.client.HTTPConnection, path: str, body: bytes) -> _R
         data = resp.read()
         raise _StreamError(f"HTTP {resp.status}: {_short(data.decode('utf-8', 'replace'))}")
 
-    ttft: float | None = None
-    text_chunks = 0
+    # TTFT is the arrival of the first chunk that carries a choice, whether its text is visible
+    # or empty. In a /v1/completions stream vLLM sends a choice only for an engine step that
+    # produced tokens, never an empty one before the first token ("Chunked prefill case, don't
+    # return empty chunks" in vllm/entrypoints/openai/completion/serving.py), so that chunk is
+    # the first token even when the detokenizer holds its text back; this is also the moment
+    # vLLM's own TTFT metric measures. (The onnxruntime server sends a choice only with text or a
+    # finish reason.) A stream whose usage reports tokens but that carried no choice at all gets
+    # the arrival of its usage chunk.
+    t_first: float | None = None
+    t_usage: float | None = None
+    token_chunks = 0  # chunks with visible text or token ids: the count when usage is absent
     usage_tokens: int | None = None
     done = False
     while True:
@@ -229,29 +248,40 @@ def _one_request(conn: http.client.HTTPConnection, path: str, body: bytes) -> _R
         if payload == "[DONE]":
             done = True
             break
+        now = time.perf_counter()
         try:
             obj = json.loads(payload)
         except json.JSONDecodeError as e:
             raise _StreamError(f"bad SSE payload {payload[:100]!r}: {e}") from None
-        if isinstance(obj, dict) and obj.get("error"):
+        if not isinstance(obj, dict):
+            raise _StreamError(f"bad SSE payload {payload[:100]!r}: not a JSON object")
+        if obj.get("error"):
             raise _StreamError(f"error in stream: {_short(json.dumps(obj['error']))}")
         for ch in obj.get("choices") or []:
-            tok_ids = ch.get("token_ids")
-            if ch.get("text") or tok_ids:
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                text_chunks += 1
+            if t_first is None:
+                t_first = now
+            if ch.get("text") or ch.get("token_ids"):
+                token_chunks += 1
         usage = obj.get("usage")
         if usage and usage.get("completion_tokens") is not None:
             usage_tokens = int(usage["completion_tokens"])
+            t_usage = now
     t_end = time.perf_counter()
-    if done:
-        resp.read()  # drain the (chunked) body so the keep-alive connection can be reused
-    else:
+    if not done:
         conn.close()
-    n_out = usage_tokens if usage_tokens is not None else text_chunks
-    if ttft is None or n_out <= 0:
-        raise _StreamError("stream ended without any output tokens")
+        raise _StreamError(
+            f"stream ended before data: [DONE] ({token_chunks} chunks with text, "
+            f"usage completion_tokens {usage_tokens})"
+        )
+    resp.read()  # drain the (chunked) body so the keep-alive connection can be reused
+    n_out = usage_tokens if usage_tokens is not None else token_chunks
+    if n_out <= 0:
+        raise _StreamError(
+            "stream ended without any output tokens "
+            + ("(usage completion_tokens 0)" if usage_tokens is not None
+               else "(no chunk with text and no usage)")
+        )
+    ttft = (t_first if t_first is not None else t_usage) - t0
     return _Result(ok=True, t_start=t0, t_end=t_end, ttft=ttft, n_out=n_out)
 
 
@@ -308,7 +338,8 @@ def run_load(
                 break
             if time.perf_counter() > deadline:
                 now = time.perf_counter()
-                res = _Result(False, now, now, error=f"run deadline of {timeout_s:g}s exceeded")
+                res = _Result(False, now, now, error=f"run deadline of {timeout_s:g}s exceeded",
+                              sent=False)
                 with lock:
                     results.append(res)
                 continue
@@ -354,6 +385,9 @@ def run_load(
 
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
+    error_counts: dict[str, int] = {}
+    for r in failed:
+        error_counts[r.error or "unknown"] = error_counts.get(r.error or "unknown", 0) + 1
     # wall time: first send to last completion
     wall_s = (max(r.t_end for r in results) - min(r.t_start for r in results)) if results else 0.0
     total_out = sum(r.n_out for r in ok)
@@ -369,9 +403,13 @@ def run_load(
         "num_requests": spec.num_requests,
         "prompt_tokens": spec.prompt_tokens,
         "output_tokens": spec.output_tokens,
+        # num_requests == completed + failed; "sent" leaves out requests never sent because the
+        # run's deadline had passed (they count as failed)
+        "sent": sum(1 for r in results if r.sent),
         "completed": len(ok),
         "failed": len(failed),
         "errors": [r.error for r in failed[:3]],
+        "error_counts": error_counts,  # each distinct error message and how many requests had it
         "wall_s": wall_s,
         "output_tokens_per_s": (total_out / wall_s) if wall_s > 0 else 0.0,
         "requests_per_s": (len(ok) / wall_s) if wall_s > 0 else 0.0,

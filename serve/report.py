@@ -264,7 +264,7 @@ def markdown_table(summary: dict) -> str:
 def requests_line(summary: dict) -> str:
     """One line: every request succeeded, or FAILED with the cells that lost requests."""
     req = summary["requests"]
-    warm = sum(n["sent"] for n in req["warmup"].values())
+    warm = sum(n["succeeded"] + n["failed"] for n in req["warmup"].values())  # = sent if none lost
     warm_txt = f" (including {warm} warm-up)" if warm else ""
     if req["all_succeeded"]:
         return (f"Requests: {req['succeeded']} of {req['sent']} sent{warm_txt} succeeded, "
