@@ -37,7 +37,7 @@ def serve(package, host, port, tensor_parallel_size, print_command, vllm_args):
 
     Arguments after the options go to vLLM unchanged (e.g. `serve PKG --enforce-eager`).
     An ONNX package (optimize --format onnx) is served by onnxruntime behind the same
-    endpoint (serve/ort_server.py); arguments then go to that server (e.g. `--threads 2`).
+    endpoint (runtime/ort_server.py); arguments then go to that server (e.g. `--threads 2`).
     """
     manifest = _manifest(package)
     extra = list(vllm_args)
