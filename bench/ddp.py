@@ -3,18 +3,22 @@
     .venv/bin/python bench/ddp.py                                   # 0.8 / 0.7 / 0.5, params budget
     .venv/bin/python bench/ddp.py --retain 0.7 --steps 120          # one level, longer training
     .venv/bin/python bench/ddp.py --retain 0.7 --budget latency     # hardware-aware budget
-    .venv/bin/python bench/ddp.py --retain 0.7 --beta 10 --out bench/results/ddp-probes/beta10   # settings
-    .venv/bin/python bench/ddp.py --refit --resume --out bench/results/ddp-refit  # the same gates, refitted
+    .venv/bin/python bench/ddp.py --retain 0.7 --beta 10 --out bench/results/ddp-probes/beta10b  # settings, a folder of their own
+    .venv/bin/python bench/ddp.py --refit --resume --out bench/results/ddp-refit/run2  # the same gates, refitted
 
-Levels run as separate processes (one per core) write separate files
-(ddp-{budget}-r{retain}.json); the table gathers every level present.
+Each run writes into a new folder bench/results/ddp/<date>-<commit>/ unless --out names one
+(packages: out/ddp/, or out/<--out's name>/).
+Levels run as separate processes (one per core) given the same --out write separate files
+(ddp-{budget}-r{retain}.json), and processes of one level (--layouts) add their rows to its
+file; the table gathers every level present. A row already in the file is never replaced: the
+run stops before training, or, with --resume, keeps that row as it is and skips it.
 
 Same data protocol as bench/spine.py: calibration (and DDP training text) from WikiText-2
 validation, perplexity on WikiText-2 raw test in 2048-token windows (--eval-windows). For each
 retention: the baseline (--method activation), DDP exported per layer (its natural result), and
 DDP trained for the uniform layout (every layer held to the baseline's shape);
 their perplexities, DDP's training tokens, wall time and peak memory. Writes
-bench/results/ddp/ddp-{budget}-r*.json and ddp-{budget}.md;
+ddp-{budget}-r*.json and ddp-{budget}.md into the run folder;
 serve them with `bench PACKAGE --baseline embedded` for the speed ratios.
 """
 
@@ -23,23 +27,21 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from optimizer.pipeline import DataConfig, DDPSettings, OptimizeConfig, RefitSettings, optimize  # noqa: E402
+import benchlib
+from benchlib import ROOT
+from optimizer.pipeline import DataConfig, DDPSettings, OptimizeConfig, RefitSettings, optimize
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = OptimizeConfig()  # the product's defaults, so a bench run measures what users get
     ddp_defaults = defaults.ddp
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--retain", type=float, nargs="+", default=[0.8, 0.7, 0.5])
     ap.add_argument("--budget", default="params", choices=["params", "latency"])
     ap.add_argument("--target", default="a100")
@@ -57,67 +59,72 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--resume", action="store_true",
-                    help="continue (or reuse, if finished) a training of the same settings from its checkpoint")
+                    help="continue (or reuse, if finished) a training of the same settings from its checkpoint; "
+                         "rows already in --out's files are kept as they are")
     ap.add_argument("--refit", action="store_true",
                     help="every row (baseline too) with the least-squares refit of the kept o_proj / down_proj columns")
     ap.add_argument("--layouts", nargs="+", default=["per-layer", "uniform"], choices=["per-layer", "uniform"])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ddp"))
+    ap.add_argument("--out", help="run folder (default: a new bench/results/ddp/<date>-<commit>)")
     args = ap.parse_args()
 
-    data = Path(args.data)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    calib, test = benchlib.data_file("valid", args.data), benchlib.data_file("test", args.data)
+    out = benchlib.run_dir("ddp", args.out)
+    packages = ROOT / "out" / ("ddp" if args.out is None else out.name)  # weights stay out of git
     torch.set_num_threads(args.threads)
+    run = benchlib.run_info()
     protocol = {"target": args.target, "budget": args.budget, "steps": args.steps, "batch": args.batch,
                 "seq_len": args.seq_len, "lr": args.lr, "lr_end": args.lr_end,
-                "beta": args.beta, "calib": str(data / "wikitext2-valid.txt"), "calib_windows": args.calib_windows,
+                "beta": args.beta, "calib": str(calib), "calib_windows": args.calib_windows,
                 "calib_dtype": args.calib_dtype, "refit": args.refit,
-                "eval": str(data / "wikitext2-raw-test.txt"), "eval_windows": args.eval_windows,
-                "torch_threads": args.threads, "seed": args.seed, "command": " ".join(sys.argv)}
+                "eval": str(test), "eval_windows": args.eval_windows,
+                "torch_threads": args.threads, "seed": args.seed, **run}
     runs = [("activation", "uniform")] if not args.skip_baseline else []
     runs += [("ddp", layout) for layout in args.layouts]
+    # Rows already in the run's files: kept with --resume, else refused before any training.
+    todo = []
     for retain in args.retain:
         path = out / f"ddp-{args.budget}-r{retain:.2f}.json"
+        benchlib.check_update(path, {"protocol": protocol}, keep_existing=[f"protocol.{k}" for k in benchlib.RUN_KEYS])
+        done = (benchlib.read_result(path) or {}).get("runs", {})
         for method, layout in runs:
             name = method if method == "activation" else f"ddp-{layout}"
-            pkg = ROOT / "out" / out.name / f"smollm2-{args.target}-{name}-{args.budget}-r{retain:.2f}"
-            shutil.rmtree(pkg, ignore_errors=True)
-            t0 = time.time()
-            m = optimize(OptimizeConfig(
-                target=args.target, method=method, retain=retain, budget=args.budget, layout=layout, out=str(pkg),
-                data=DataConfig(calib=str(data / "wikitext2-valid.txt"), eval=str(data / "wikitext2-raw-test.txt"),
-                                seq_len=2048, calib_windows=args.calib_windows,
-                                eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)),
-                ddp=DDPSettings(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, lr_end=args.lr_end,
-                                beta=args.beta),
-                threads=args.threads, seed=args.seed, calib_dtype=args.calib_dtype,
-                refit=RefitSettings() if args.refit else None, resume=args.resume))["manifest"]
-            q = m["quality"]["perplexity"]
-            # Runs of one level may come from separate processes (--layouts): read the file
-            # again just before writing this run's row into it, so none is lost; newest wins.
-            level = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
-            level["protocol"] = protocol
-            training = m["method"].get("ddp")
-            old = level["runs"].get(name, {}).get("training") or {}
-            if (training and training["resumed_from_step"] == training["steps"] and old.get("resumed_from_step") == 0
-                    and old.get("checkpoint") == training["checkpoint"]):
-                # Re-exported (--resume) from the gates an earlier run of this row trained: the
-                # training's own wall time and memory are that run's.
-                training = {**training, "wall_s": old["wall_s"], "peak_rss_gib": old["peak_rss_gib"],
-                            "resumed_from_step": 0, "reexported": True}
-            level["runs"][name] = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),
-                                   "shape": m["method"]["shape"], "retain_achieved": m["method"]["retain_achieved"],
-                                   "retain_budget_achieved": m["method"]["retain_budget_achieved"],
-                                   "ppl_dense": q["dense"], "ppl": q["pruned"], "excess_ppl": q["pruned"] - q["dense"],
-                                   "ideal_ratio": m["size"]["ideal_ratio"], "training": training,
-                                   "refit": m["method"].get("refit"),
-                                   "command": protocol["command"]}
-            path.write_text(json.dumps(level, indent=2) + "\n")
+            if name not in done:
+                todo.append((retain, path, method, layout, name))
+            elif args.resume:
+                print(f"{path}: {name} is there already; kept (--resume)")
+            else:
+                raise SystemExit(f"error: {path} has the row {name} already; results are never replaced: run without "
+                                 "--out (a new run folder), or with --resume to keep the rows there and add the rest")
+    for retain, path, method, layout, name in todo:
+        pkg = packages / f"smollm2-{args.target}-{name}-{args.budget}-r{retain:.2f}"
+        shutil.rmtree(pkg, ignore_errors=True)
+        t0 = time.time()
+        m = optimize(OptimizeConfig(
+            target=args.target, method=method, retain=retain, budget=args.budget, layout=layout, out=str(pkg),
+            data=DataConfig(calib=str(calib), eval=str(test),
+                            seq_len=2048, calib_windows=args.calib_windows,
+                            eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)),
+            ddp=DDPSettings(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, lr_end=args.lr_end,
+                            beta=args.beta),
+            threads=args.threads, seed=args.seed, calib_dtype=args.calib_dtype,
+            refit=RefitSettings() if args.refit else None, resume=args.resume))["manifest"]
+        q = m["quality"]["perplexity"]
+        row = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),
+               "shape": m["method"]["shape"], "retain_achieved": m["method"]["retain_achieved"],
+               "retain_budget_achieved": m["method"]["retain_budget_achieved"],
+               "ppl_dense": q["dense"], "ppl": q["pruned"], "excess_ppl": q["pruned"] - q["dense"],
+               "ideal_ratio": m["size"]["ideal_ratio"], "training": m["method"].get("ddp"),
+               "refit": m["method"].get("refit"), **run}
+        # Runs of one level may come from separate processes (--layouts): this adds the row
+        # to the file as it is now (another process's rows stay); the protocol is the
+        # run's, the command and commit of each row its own.
+        benchlib.update_result(path, {"protocol": protocol, "runs": {name: row}},
+                               keep_existing=[f"protocol.{k}" for k in benchlib.RUN_KEYS])
     results = {"protocol": protocol, "levels": {}}
     for f in sorted(out.glob(f"ddp-{args.budget}-r*.json")):
         results["levels"][f.stem.rsplit("-r", 1)[1]] = json.loads(f.read_text())["runs"]
     md = _markdown(results)
-    (out / f"ddp-{args.budget}.md").write_text(md)
+    benchlib.write_markdown(out / f"ddp-{args.budget}.md", md)
     print(md)
 
 
@@ -128,10 +135,8 @@ def _markdown(results: dict) -> str:
              f"Perplexity on {Path(p['eval']).name} ({p['eval_windows']} windows of 2048); DDP trained "
              f"on {Path(p['calib']).name} (β, steps × sequences × tokens per step per row), starting from "
              f"the {p.get('ddp_start', 'baseline')} selection; torch threads {p['torch_threads']}. Each DDP row is its own "
-             "training unless its train wall says \"same gates\" (a finished checkpoint re-exported with --resume).", "",
-             "| retain | method | β, steps × batch × seq (KD passes if not bf16) | shape (heads/KV/MLP) | achieved | PPL | excess PPL | DDP excess / baseline | "
-             "train tokens | train wall | peak RSS |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "training unless its train wall says \"same gates\" (a finished checkpoint re-exported with --resume).", ""]
+    rows = []
     for retain, level in sorted(results["levels"].items(), reverse=True):
         base = level.get("activation")
         for method, r in level.items():
@@ -144,9 +149,12 @@ def _markdown(results: dict) -> str:
                     if t else "—")
             if r.get("refit") and not r["refit"]["applied"]:
                 method += " (refit refused: held-out loss rose)"
-            lines.append(f"| {retain} | {method} | {beta} | {s['num_heads']:g}/{s['num_kv_heads']:g}/{s['intermediate_size']:g} | "
-                         f"{r['retain_achieved']:.3f} | {r['ppl']:.2f} | {r['excess_ppl']:.2f} | {ratio} | "
-                         f"{tokens or '—'} | {wall} | {str(t['peak_rss_gib']) + ' GiB' if t else '—'} |")
+            rows.append([retain, method, beta, f"{s['num_heads']:g}/{s['num_kv_heads']:g}/{s['intermediate_size']:g}",
+                         f"{r['retain_achieved']:.3f}", f"{r['ppl']:.2f}", f"{r['excess_ppl']:.2f}", ratio,
+                         tokens or "—", wall, str(t['peak_rss_gib']) + " GiB" if t else "—"])
+    lines.append(benchlib.markdown_table(
+        ["retain", "method", "β, steps × batch × seq (KD passes if not bf16)", "shape (heads/KV/MLP)", "achieved", "PPL",
+         "excess PPL", "DDP excess / baseline", "train tokens", "train wall", "peak RSS"], rows, align="llrlrrrrrrr"))
     return "\n".join(lines) + "\n"
 
 

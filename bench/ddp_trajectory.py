@@ -7,27 +7,24 @@ flags say otherwise) and, every `--every` steps, cuts the package's masks from t
 stand (`decide` at the shape training is held to, or `budget_masks` per layer) and measures them:
 perplexity on the first `--eval-windows` WikiText-2 test windows, and the loss on the calibration
 window the pipeline holds out (the text a run could use to pick its step). Also the training step's
-own KD loss. Writes trajectory-{layout}-r{retain}.json and .md under --out.
+own KD loss. Writes trajectory-{layout}-r{retain}.json and .md under --out (default: a new run
+folder bench/results/ddp-probes/trajectory/<date>-<commit>/).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from optimizer import data, evaluate  # noqa: E402
-from optimizer.methods.ddp import DDP  # noqa: E402
-from optimizer.pipeline import DataConfig, DDPSettings, OptimizeConfig, optimize  # noqa: E402
-from optimizer.surgery import masked  # noqa: E402
+import benchlib
+from optimizer import evaluate
+from optimizer.methods.ddp import DDP
+from optimizer.pipeline import DataConfig, DDPSettings, OptimizeConfig, optimize
+from optimizer.surgery import masked
 
 
 def main() -> None:
@@ -43,13 +40,16 @@ def main() -> None:
     ap.add_argument("--lr-end", type=float, default=defaults.ddp.lr_end)
     ap.add_argument("--seed", type=int, default=defaults.seed)
     ap.add_argument("--calib-windows", type=int, default=8)
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ddp-probes" / "trajectory"))
+    ap.add_argument("--out", help="run folder (default: a new bench/results/ddp-probes/trajectory/<date>-<commit>)")
     args = ap.parse_args()
+    run = benchlib.run_info()  # the commit as the run starts
     torch.set_num_threads(args.threads)
-    data_dir, out = Path(args.data), Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    data_dir = Path(args.data)
+    out = benchlib.run_dir("ddp-probes/trajectory", args.out)
+    stem = out / f"trajectory-{args.layout}-r{args.retain:.2f}"
+    benchlib.new_file(f"{stem}.json")
 
     points, windows = [], {}
     train_step = DDP.step
@@ -67,23 +67,21 @@ def main() -> None:
     from transformers import AutoTokenizer  # noqa: E402
     from optimizer import load  # noqa: E402
     tok = AutoTokenizer.from_pretrained(load.resolve(None).hf_dir)
-    windows["test"] = data.token_windows(tok, data.read_text_file(data_dir / "wikitext2-raw-test.txt").text, 2048,
-                                         args.eval_windows)
-    windows["held_out"] = data.token_windows(tok, data.read_text_file(data_dir / "wikitext2-valid.txt").text, 2048)[-1:]
+    windows["test"] = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=data_dir)
+    windows["held_out"] = benchlib.wikitext_windows(tok, "valid", None, data_dir=data_dir)[-1:]
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         m = optimize(OptimizeConfig(
             target="a100", method="ddp", retain=args.retain, layout=args.layout, out=str(Path(tmp) / "pkg"),
-            data=DataConfig(calib=str(data_dir / "wikitext2-valid.txt"), eval=str(data_dir / "wikitext2-raw-test.txt"),
+            data=DataConfig(calib=str(benchlib.data_file("valid", data_dir)), eval=str(benchlib.data_file("test", data_dir)),
                             calib_windows=args.calib_windows, seq_len=2048, eval_windows=16),
             ddp=DDPSettings(steps=args.steps, batch=args.batch, lr=args.lr, lr_end=args.lr_end),
             seed=args.seed, threads=args.threads))["manifest"]
     result = {"retain": args.retain, "layout": args.layout, "training": m["method"]["ddp"],
               "package_ppl_16_windows": m["quality"]["perplexity"]["pruned"], "eval_windows": args.eval_windows,
-              "points": points, "wall_s": round(time.time() - started, 1), "command": " ".join(sys.argv)}
-    stem = out / f"trajectory-{args.layout}-r{args.retain:.2f}"
-    Path(f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    Path(f"{stem}.md").write_text(markdown(result))
+              "points": points, "wall_s": round(time.time() - started, 1), **run}
+    benchlib.write_result(f"{stem}.json", result)
+    benchlib.write_markdown(f"{stem}.md", markdown(result))
     print(markdown(result))
 
 
@@ -108,9 +106,9 @@ def markdown(r: dict) -> str:
              f"Test PPL on {r['eval_windows']} × 2048 WikiText-2 test tokens; held-out PPL on the calibration window the "
              f"pipeline holds out; the package at the last step measured {r['package_ppl_16_windows']:.2f} on 16 test "
              f"windows. `{r['command']}`", "",
-             "| step | lr | KD (training step) | held-out PPL | test PPL |", "|---:|---:|---:|---:|---:|"]
-    for p in r["points"]:
-        lines.append(f"| {p['step']} | {p['lr']:.4f} | {p['kd']:.3f} | {p['held_out_ppl']:.2f} | {p['test_ppl']:.2f} |")
+             benchlib.markdown_table(["step", "lr", "KD (training step)", "held-out PPL", "test PPL"],
+                                     [[p["step"], f"{p['lr']:.4f}", f"{p['kd']:.3f}", f"{p['held_out_ppl']:.2f}",
+                                       f"{p['test_ppl']:.2f}"] for p in r["points"]], align="rrrrr")]
     return "\n".join(lines) + "\n"
 
 

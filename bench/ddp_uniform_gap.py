@@ -16,8 +16,9 @@ layout's width, keeping each capped layer's best channels by gate value:
                     does: this compares the two at the same size)
 
 Perplexity of the masked model (equal to the physically pruned one: tests/test_ddp.py), same
-WikiText-2 test windows as bench/ddp.py. Writes uniform-gap-r{retain}.json and .md beside the
-result file.
+WikiText-2 test windows as bench/ddp.py. Writes uniform-gap-r{retain}.json and .md into --out
+(default: a new run folder bench/results/ddp-uniform-gap/<date>-<commit>/; the JSON names the
+result file it analysed).
 """
 
 from __future__ import annotations
@@ -29,14 +30,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from optimizer import data, evaluate, load  # noqa: E402
-from optimizer.adapters import get_adapter  # noqa: E402
-from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts  # noqa: E402
-from optimizer.masks import BlockMask, Masks  # noqa: E402
-from optimizer.surgery import masked  # noqa: E402
+import benchlib
+from optimizer import evaluate, load
+from optimizer.adapters import get_adapter
+from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts
+from optimizer.masks import BlockMask, Masks
+from optimizer.surgery import masked
 
 
 def capped(masks: Masks, z_channels: torch.Tensor, width: int, layers) -> Masks:
@@ -56,9 +55,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("result", help="a bench/ddp.py level file, e.g. bench/results/ddp/ddp-params-r0.80.json")
     ap.add_argument("--eval-windows", type=int, default=16)
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", help="run folder (default: a new bench/results/ddp-uniform-gap/<date>-<commit>)")
     args = ap.parse_args()
+    provenance = benchlib.run_info()  # the command, and the commit as the run starts
     torch.set_num_threads(args.threads)
 
     result = Path(args.result)
@@ -75,6 +76,9 @@ def main() -> None:
     if uniform is None:
         sys.exit(f"error: {result} has no uniform row (ddp-uniform or activation) to take the uniform width from")
     width = int(uniform["shape"]["intermediate_size"])
+    out_dir = benchlib.run_dir("ddp-uniform-gap", args.out)
+    stem = out_dir / f"uniform-gap-r{training['retain']:.2f}"
+    benchlib.new_file(f"{stem}.json")
 
     model, tok = load.load_model(load.resolve(None))
     adapter = get_adapter(model.config)
@@ -91,8 +95,7 @@ def main() -> None:
                 "all-capped": capped(per_layer, z, width, set(range(n)))}
     ddp.cfg.retain = uniform["retain_achieved"]
     variants["uniform-size"] = ddp.budget_masks()
-    text = data.read_text_file(Path(args.data) / "wikitext2-raw-test.txt").text
-    windows = data.token_windows(tok, text, 2048, args.eval_windows)
+    windows = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=args.data)
     rows = {}
     dense = n * adapter.block_params(model.config, adapter.dense_shape(model.config))
     for name, masks in variants.items():
@@ -106,22 +109,23 @@ def main() -> None:
     retain = training["retain"]
     out = {"result": str(result), "checkpoint": training["checkpoint"], "retain": retain, "uniform_width": width,
            "package_ppl": run["ppl"], "eval_windows": args.eval_windows, "variants": rows,
-           "command": " ".join(sys.argv)}
-    stem = result.parent / f"uniform-gap-r{retain:.2f}"
-    Path(f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
-    Path(f"{stem}.md").write_text(markdown(out))
+           **provenance}
+    benchlib.write_result(f"{stem}.json", out)
+    benchlib.write_markdown(f"{stem}.md", markdown(out))
     print(markdown(out))
 
 
 def markdown(out: dict) -> str:
     lines = [f"# Per-layer DDP gates at retention {out['retain']}, MLP capped at the uniform width {out['uniform_width']}", "",
              f"PPL on {out['eval_windows']} × 2048 WikiText-2 test tokens; the per-layer package measured "
-             f"{out['package_ppl']:.2f}. `{out['command']}`", "",
-             "| variant | retention | layer 0 channels | other layers' channels (mean) | PPL |", "|---|---:|---:|---:|---:|"]
+             f"{out['package_ppl']:.2f}. `{out['command']}`", ""]
+    rows = []
     for variant, r in out["variants"].items():
         rest = r["channels"][1:]
         retain = f"{r['retain']:.3f}" if "retain" in r else "—"
-        lines.append(f"| {variant} | {retain} | {r['channels'][0]} | {sum(rest) / len(rest):.1f} | {r['ppl']:.2f} |")
+        rows.append([variant, retain, r["channels"][0], f"{sum(rest) / len(rest):.1f}", f"{r['ppl']:.2f}"])
+    lines.append(benchlib.markdown_table(
+        ["variant", "retention", "layer 0 channels", "other layers' channels (mean)", "PPL"], rows, align="lrrrr"))
     return "\n".join(lines) + "\n"
 
 

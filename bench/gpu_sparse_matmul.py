@@ -1,6 +1,6 @@
 """Time 2:4 semi-structured matmuls against dense on a GPU (for sessions lent one; not a test).
 
-    python bench/gpu_sparse_matmul.py --out bench/results/sparse/gpu-matmul.json
+    python bench/gpu_sparse_matmul.py       # writes bench/results/gpu-sparse-matmul/<date>-<commit>/gpu-matmul.json
 
 For each weight shape [out, in] (SmolLM2-135M's q/o, k/v, gate/up, down and LLaMA-7B-like
 4096×4096, 11008×4096, 4096×11008) and token counts 1, 16, 512 and 4096 (decode and prefill),
@@ -13,11 +13,12 @@ PyTorch picks CUTLASS or cuSPARSELt; both are recorded. Public reports range fro
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 
 import torch
 import torch.nn.functional as F
+
+import benchlib  # bench/, this script's directory (standard library only)
 
 SHAPES = {"smollm2 q/o 576x576": (576, 576), "smollm2 k/v 192x576": (192, 576),
           "smollm2 gate/up 1536x576": (1536, 576), "smollm2 down 576x1536": (576, 1536),
@@ -49,8 +50,12 @@ def timed(fn, iters: int = 50) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="gpu-matmul.json")
+    ap.add_argument("--out", help="result file, a new one (default: gpu-matmul.json in a new run folder "
+                                  "bench/results/gpu-sparse-matmul/<date>-<commit>)")
     args = ap.parse_args()
+    run = benchlib.run_info()
+    if args.out:
+        benchlib.new_file(args.out)  # now, not after the run
     from torch.sparse import SparseSemiStructuredTensor, to_sparse_semi_structured
     dev = torch.device("cuda")
     rows = []
@@ -75,9 +80,10 @@ def main() -> None:
                     rows.append({"backend": backend, "shape": name, "tokens": t, "error": f"{type(e).__name__}: {e}"[:200]})
                 print(rows[-1], flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version()}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+            "python": platform.python_version(), **run}
+    out = args.out or benchlib.run_dir("gpu-sparse-matmul") / "gpu-matmul.json"
+    benchlib.write_result(out, {"meta": meta, "rows": rows})
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

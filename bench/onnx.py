@@ -10,8 +10,9 @@ as bench/spine.py), exported with `--format onnx` (fp32, validated on export), p
 model through the same path (`--retain 1.0`) as the baseline. Then `bench PACKAGE --baseline
 DENSE_PACKAGE` at concurrency 1 and 4: the ONNX server (runtime/ort_server.py, continuous
 batching) for each, alternating for --rounds rounds, best-of-N reported. The ideal ratio is
-dense / pruned ONNX weight bytes (what a memory-bound decode step streams). Writes
-bench/results/onnx/onnx.json and onnx.md; packages go under out/onnx/ (ignored by git).
+dense / pruned ONNX weight bytes (what a memory-bound decode step streams). Writes onnx.json
+and onnx.md into a new run folder bench/results/onnx/<date>-<commit>/ (or --out, which must
+not hold an onnx.json yet); packages go under out/onnx/ (ignored by git).
 """
 
 from __future__ import annotations
@@ -24,19 +25,20 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+import benchlib  # from bench/, this script's directory: before the line below takes it off sys.path
+from benchlib import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 # `python bench/onnx.py` puts bench/ first on sys.path, where this file would shadow the onnx package.
-sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
+import torch  # noqa: E402
 from optimizer.pipeline import DataConfig, OptimizeConfig, optimize  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF dir or GGUF (default: the embedded SmolLM2-135M)")
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--calib", help="calibration text (default: WikiText-2 validation from --data)")
     ap.add_argument("--retain", type=float, nargs="+", default=[0.7, 0.5])
     ap.add_argument("--target", default="cpu")
@@ -54,19 +56,21 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true",
                     help="reuse packages already under --packages (e.g. from a --skip-serve run) instead of rebuilding")
     ap.add_argument("--packages", default=str(ROOT / "out" / "onnx"))
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "onnx"))
+    ap.add_argument("--out", help="run folder (default: a new bench/results/onnx/<date>-<commit>)")
     args = ap.parse_args()
 
-    calib = Path(args.calib) if args.calib else Path(args.data) / "wikitext2-valid.txt"
-    out, packages = Path(args.out), Path(args.packages)
-    out.mkdir(parents=True, exist_ok=True)
+    calib = Path(args.calib) if args.calib else benchlib.data_file("valid", args.data)
+    out, packages = benchlib.run_dir("onnx", args.out), Path(args.packages)
+    path = benchlib.new_file(out / "onnx.json")
+    for retain in args.retain if not args.skip_serve else []:
+        benchlib.new_file(out / f"bench-r{retain:.2f}")
     torch.set_num_threads(args.threads)
     results = {"protocol": {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "target": args.target,
                             "method": "activation (one-shot structured, uniform)", "format": "onnx fp32",
                             "calib": str(calib), "seq_len": args.seq_len, "calib_windows": args.calib_windows,
                             "threads": args.threads, "rounds": args.rounds, "concurrency": args.concurrency,
                             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-                            "command": " ".join(sys.argv)},
+                            **benchlib.run_info()},
                "dense": None, "levels": []}
     # All packages first (the dense one too), then all serving runs back to back.
     for retain in [1.0] + args.retain:
@@ -93,7 +97,7 @@ def main() -> None:
         else:
             entry["ideal_ratio"] = results["dense"]["onnx_bytes"] / entry["onnx_bytes"]
             results["levels"].append(entry)
-        (out / "onnx.json").write_text(json.dumps(results, indent=2) + "\n")
+        benchlib.update_result(path, results)
     for level in results["levels"] if not args.skip_serve else []:
         bench_dir = out / f"bench-r{level['retain']:.2f}"
         cmd = [str(ROOT / ".venv" / "bin" / "bench"), level["package"], "--baseline", results["dense"]["package"], "--concurrency", args.concurrency,
@@ -104,27 +108,14 @@ def main() -> None:
             cmd += ["--requests", str(args.requests)]
         subprocess.run(cmd, check=True)
         summary = json.loads((bench_dir / "bench.json").read_text())["summary"]
-        level["serving"] = _serving_figures(summary, level["ideal_ratio"])
-        (out / "onnx.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "onnx.md").write_text(_markdown(results))
+        level["serving"] = benchlib.serving_figures(summary, level["ideal_ratio"])
+        benchlib.update_result(path, results)
+    benchlib.write_markdown(out / "onnx.md", _markdown(results))
     print(_markdown(results))
 
 
 def _name(args) -> str:
     return "smollm2" if not args.model else Path(args.model).name.lower()
-
-
-def _serving_figures(summary: dict, ideal: float) -> dict:
-    best, ratios = summary["best"], summary["ratios"]
-    fig = {}
-    for c in summary["concurrencies"]:
-        ratio = ratios["pruned"][c]["tokens_per_s"]
-        fig[c] = {"dense_tok_s": best["dense"][c]["output_tokens_per_s"],
-                  "pruned_tok_s": best["pruned"][c]["output_tokens_per_s"],
-                  "ratio": ratio, "fraction_of_ideal": ratio / ideal if ratio else None,
-                  "tpot_p50_ms": {"dense": best["dense"][c]["tpot_ms"]["p50"],
-                                  "pruned": best["pruned"][c]["tpot_ms"]["p50"]}}
-    return fig
 
 
 def _markdown(results: dict) -> str:
@@ -135,26 +126,27 @@ def _markdown(results: dict) -> str:
              f"Method {p['method']}, {p['format']}, calibration {Path(p['calib']).name} "
              f"({p['calib_windows']} x {p['seq_len']} tokens); runtime/ort_server.py with {p['threads']} threads, "
              f"prompts of {p['prompt_tokens']} random tokens, {p['output_tokens']} output tokens, best of "
-             f"{p['rounds']} alternating rounds against the dense model exported the same way.", "",
-             "| retain (achieved) | shape (heads/KV/MLP) | ONNX MB | ideal | " +
-             " | ".join(f"tok/s dense/pruned c={c} | ratio c={c} | of ideal c={c}" for c in levels) +
-             " | export | validation |",
-             "|---|---|---:|---:|" + "---:|---:|---:|" * len(levels) + "---:|---:|"]
+             f"{p['rounds']} alternating rounds against the dense model exported the same way.", ""]
+    header = ["retain (achieved)", "shape (heads/KV/MLP)", "ONNX MB", "ideal",
+              *[h for c in levels for h in (f"tok/s dense/pruned c={c}", f"ratio c={c}", f"of ideal c={c}")],
+              "export", "validation"]
+    rows = []
     if d:
         s = d["shape"]
-        lines.append(f"| dense | {s['num_heads']}/{s['num_kv_heads']}/{s['intermediate_size']} | "
-                     f"{d['onnx_bytes'] / 1e6:.0f} | 1.00x | " + " | ".join("— | — | —" for _ in levels) +
-                     f" | {d['export_s']:.1f} s | {d['validate_s']:.1f} s |")
+        rows.append(["dense", f"{s['num_heads']}/{s['num_kv_heads']}/{s['intermediate_size']}",
+                     f"{d['onnx_bytes'] / 1e6:.0f}", "1.00x", *["—"] * (3 * len(levels)),
+                     f"{d['export_s']:.1f} s", f"{d['validate_s']:.1f} s"])
     for lv in results["levels"]:
         s, sv = lv["shape"], lv.get("serving", {})
         cells = []
         for c in levels:
             x = sv.get(c, {})
-            cells.append(f"{f(x.get('dense_tok_s'), '{:.0f}')}/{f(x.get('pruned_tok_s'), '{:.0f}')} | "
-                         f"{f(x.get('ratio'))} | {f(x.get('fraction_of_ideal'), '{:.0%}')}")
-        lines.append(f"| {lv['retain']:.2f} ({lv['retain_achieved']:.3f}) | {s['num_heads']}/{s['num_kv_heads']}/"
-                     f"{s['intermediate_size']} | {lv['onnx_bytes'] / 1e6:.0f} | {lv['ideal_ratio']:.2f}x | " +
-                     " | ".join(cells) + f" | {lv['export_s']:.1f} s | {lv['validate_s']:.1f} s |")
+            cells += [f"{f(x.get('dense_tok_s'), '{:.0f}')}/{f(x.get('pruned_tok_s'), '{:.0f}')}",
+                      f(x.get('ratio')), f(x.get('fraction_of_ideal'), '{:.0%}')]
+        rows.append([f"{lv['retain']:.2f} ({lv['retain_achieved']:.3f})",
+                     f"{s['num_heads']}/{s['num_kv_heads']}/{s['intermediate_size']}", f"{lv['onnx_bytes'] / 1e6:.0f}",
+                     f"{lv['ideal_ratio']:.2f}x", *cells, f"{lv['export_s']:.1f} s", f"{lv['validate_s']:.1f} s"])
+    lines.append(benchlib.markdown_table(header, rows, align="llrr" + "rrr" * len(levels) + "rr"))
     lines += ["", "Validation on export (max |logit diff| vs PyTorch, prefill / decode; greedy tokens identical):", ""]
     for lv in ([d] if d else []) + results["levels"]:
         v = lv["validation"]

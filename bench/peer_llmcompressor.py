@@ -2,8 +2,9 @@
 
 Input: the model directory and the exact calibration token windows bench/sparse.py uses for
 our own SparseGPT (a torch file [n, seq]), so both tools see the same data. Output: the
-pruned checkpoint (plain dense tensors, no compression) and a JSON with the wall time of
-llm-compressor's `oneshot` alone.
+pruned checkpoint (plain dense tensors, no compression) and a JSON (peer.json) with the wall
+time of llm-compressor's `oneshot` alone, the command line and the commit. bench/benchlib.py
+imports only the standard library, so it loads here, where the product is not installed.
 
     .venv-peer/bin/python bench/peer_llmcompressor.py MODEL_DIR WINDOWS.pt OUT_DIR --threads 1
 """
@@ -13,6 +14,8 @@ import json
 import time
 
 import torch
+
+import benchlib  # bench/, this script's directory
 
 # Bumped when the peer's recipe changes; bench/sparse.py reruns cached peer results of another.
 PEER_RECIPE = "2: blocks only (lm_head ignored)"
@@ -30,6 +33,7 @@ def main():
     ap.add_argument("--sparsity", default="2:4")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
+    run = benchlib.run_info()
     torch.set_num_threads(a.threads)
 
     from datasets import Dataset
@@ -58,10 +62,10 @@ def main():
     model.save_pretrained(a.out, save_compressed=False)
     tok.save_pretrained(a.out)
     import llmcompressor
-    with open(f"{a.out}/peer.json", "w") as f:
-        json.dump({"tool": f"llm-compressor {llmcompressor.__version__}", "oneshot_wall_s": round(wall, 1),
-                   "windows": list(windows.shape), "threads": a.threads, "sparsity": a.sparsity,
-                   "recipe": PEER_RECIPE, "lm_head_zero_fraction": head_zeros}, f)
+    benchlib.write_result(f"{a.out}/peer.json",
+                          {"tool": f"llm-compressor {llmcompressor.__version__}", "oneshot_wall_s": round(wall, 1),
+                           "windows": list(windows.shape), "threads": a.threads, "sparsity": a.sparsity,
+                           "recipe": PEER_RECIPE, "lm_head_zero_fraction": head_zeros, **run})
     print(json.dumps({"oneshot_wall_s": wall}))
 
 

@@ -9,28 +9,32 @@ final τ and λ, measuring the perplexity of the hard mask before and every `--e
         --json bench/results/sparse-roi-long/roi-continue-2of4.json
 
 CHECKPOINT: the `roi.checkpoint` path in a RoI package's manifest (or a bench/sparse.py JSON). The
-calibration and evaluation windows are bench/sparse.py's (32 and 16 × 2048 tokens).
+calibration and evaluation windows are bench/sparse.py's (32 and 16 × 2048 tokens). Writes
+--json (a new file), by default roi-continue-<pattern>.json in a new run folder
+bench/results/roi-continue/<date>-<commit>/.
+
+The loop is the product's training step (`RoI.step` on `optimizer.job.batch_indices`' seeded
+order, one chunk a step, as `Job.train` runs it) without `Job.train` itself: that needs a whole
+optimize job, steps to an absolute count and checkpoints every 25 steps, where this measures the
+hard mask every --eval-every steps and saves only with --save.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from optimizer import data, evaluate, load  # noqa: E402
-from optimizer.adapters import get_adapter  # noqa: E402
-from optimizer.methods.roi import RoI, RoIConfig  # noqa: E402
-from optimizer.job import batch_indices  # noqa: E402
-from optimizer.sparsity import parse  # noqa: E402
+import benchlib
+from optimizer import evaluate, load
+from optimizer.adapters import get_adapter
+from optimizer.methods.roi import RoI, RoIConfig
+from optimizer.job import batch_indices
+from optimizer.sparsity import parse
 
 
 def main() -> None:
@@ -38,15 +42,17 @@ def main() -> None:
     ap.add_argument("checkpoint")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--calib-windows", type=int, default=32)
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=512, choices=[256, 512, 1024, 2048],
                     help="tokens per step: the run's --roi-seq-len (the checkpoint does not record it)")
-    ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--json", help="write the result here, a new file (default: roi-continue-<pattern>.json in a "
+                                   "new run folder bench/results/roi-continue/<date>-<commit>)")
     ap.add_argument("--save", help="checkpoint the continued run here (it can be continued again)")
     args = ap.parse_args()
+    run = benchlib.run_info()  # the commit as the run starts
     if not Path(args.checkpoint).is_file():
         raise SystemExit(f"error: {args.checkpoint}: no such checkpoint (a RoI run's `roi.checkpoint`)")
     if args.steps < 1 or args.eval_every < 1:
@@ -55,10 +61,11 @@ def main() -> None:
     state = torch.load(args.checkpoint, weights_only=False, mmap=True)
     cfg, sparsity = RoIConfig(**state["config"]), parse(state["sparsity"])
     del state
+    if args.json:
+        benchlib.new_file(args.json)  # now, not after the run
     model, tok = load.load_model(load.resolve(None))
-    text = lambda name: data.read_text_file(Path(args.data) / name).text  # noqa: E731
-    chunks = data.token_windows(tok, text("wikitext2-valid.txt"), 2048, args.calib_windows).reshape(-1, args.seq_len)
-    test = data.token_windows(tok, text("wikitext2-raw-test.txt"), 2048, args.eval_windows)
+    chunks = benchlib.wikitext_windows(tok, "valid", args.calib_windows, data_dir=args.data).reshape(-1, args.seq_len)
+    test = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=args.data)
     roi = RoI(model, get_adapter(model.config), sparsity, cfg)
     if not roi.load(args.checkpoint):
         raise SystemExit(f"{args.checkpoint}: could not resume")
@@ -84,10 +91,11 @@ def main() -> None:
     result = {"checkpoint": args.checkpoint, "saved": args.save, "steps_done": roi.step_count,
               "pattern": str(sparsity), "schedule_steps": cfg.steps, "tau": roi.tau(), "scale": roi.scale(),
               "calib_windows": args.calib_windows, "eval_windows": args.eval_windows, "threads": args.threads,
-              "trace": trace}
+              "trace": trace, **run}
     print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    json_path = args.json or benchlib.run_dir("roi-continue") / f"roi-continue-{str(sparsity).replace(':', 'of')}.json"
+    benchlib.write_result(json_path, result)
+    print(f"wrote {json_path}")
 
 
 if __name__ == "__main__":

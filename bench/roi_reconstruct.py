@@ -9,39 +9,42 @@ perplexity with the mask on the original weights (what `--method roi` ships).
 
 CHECKPOINT: the `roi.checkpoint` path in a RoI package's manifest (or bench/results/sparse/sparse.json).
 Measured (2026-11-30, RoI 2:4 from bench/sparse.py, 16 windows): 51.46 → 51.52, no gain.
+Writes --json (a new file), by default roi-reconstruct-<pattern>.json in a new run folder
+bench/results/roi-reconstruct/<date>-<commit>/.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from optimizer import data, evaluate, load  # noqa: E402
-from optimizer.adapters import get_adapter  # noqa: E402
-from optimizer.methods.sparsegpt import SparseGPT  # noqa: E402
-from optimizer.sequential import prune_blockwise  # noqa: E402
-from optimizer.sparsity import parse  # noqa: E402
+import benchlib
+from optimizer import evaluate, load
+from optimizer.adapters import get_adapter
+from optimizer.methods.sparsegpt import SparseGPT
+from optimizer.sequential import prune_blockwise
+from optimizer.sparsity import parse
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
     ap.add_argument("--pattern", default="2:4")
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--calib-windows", type=int, default=16)
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", help="write the result here, a new file (default: roi-reconstruct-<pattern>.json in a "
+                                   "new run folder bench/results/roi-reconstruct/<date>-<commit>)")
     args = ap.parse_args()
+    run = benchlib.run_info()  # the commit as the run starts
     torch.set_num_threads(args.threads)
     sparsity = parse(args.pattern)
+    if args.json:
+        benchlib.new_file(args.json)  # now, not after the run
     model, tok = load.load_model(load.resolve(None))
     adapter = get_adapter(model.config)
     state = torch.load(args.checkpoint, weights_only=False, mmap=True)
@@ -52,9 +55,8 @@ def main() -> None:
              for name, lin in lins.items()}
     del state
     linears = [lin for lins in blocks for lin in lins.values()]
-    text = lambda name: data.read_text_file(Path(args.data) / name).text  # noqa: E731
-    calib = data.token_windows(tok, text("wikitext2-valid.txt"), 2048, args.calib_windows)
-    test = data.token_windows(tok, text("wikitext2-raw-test.txt"), 2048, args.eval_windows)
+    calib = benchlib.wikitext_windows(tok, "valid", args.calib_windows, data_dir=args.data)
+    test = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=args.data)
 
     original = [lin.weight.detach().clone() for lin in linears]
     with torch.no_grad():
@@ -75,8 +77,11 @@ def main() -> None:
     result = {"checkpoint": args.checkpoint, "pattern": str(sparsity), "calib_windows": args.calib_windows,
               "eval_windows": args.eval_windows, "ppl_roi_mask": masked,
               "ppl_roi_mask_reconstructed": evaluate.perplexity(model, test, "reconstructed"),
-              "reconstruct_s": round(time.time() - t0, 1)}
+              "reconstruct_s": round(time.time() - t0, 1), **run}
     print(json.dumps(result, indent=1))
+    json_path = args.json or benchlib.run_dir("roi-reconstruct") / f"roi-reconstruct-{str(sparsity).replace(':', 'of')}.json"
+    benchlib.write_result(json_path, result)
+    print(f"wrote {json_path}")
 
 
 if __name__ == "__main__":

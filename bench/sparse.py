@@ -17,39 +17,42 @@ per window count; `--fresh-peer` reruns it beside this invocation's runs, and on
 beside a running peer — still running when ours ended — get a wall-time ratio in the table
 (`beside_peer`).
 
-Writes bench/results/sparse/sparse.json and sparse.md.
+Writes sparse.json and sparse.md into a new run folder bench/results/sparse/<date>-<commit>/,
+or into --out's: several processes (one per core, different --runs) given the same --out add
+their rows to its sparse.json. A row already there is never replaced: --reuse keeps it (and
+skips that run), otherwise the script stops before running anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from optimizer import data as data_mod, evaluate, load  # noqa: E402
-from optimizer.job import dense_perplexity  # noqa: E402
-from optimizer.pipeline import DataConfig, OptimizeConfig, RoISettings, SISettings, optimize  # noqa: E402
-from peer_llmcompressor import PEER_RECIPE  # noqa: E402  (bench/ is this script's directory)
+import benchlib
+from benchlib import ROOT
+from optimizer import evaluate, load
+from optimizer.job import dense_perplexity
+from optimizer.pipeline import DataConfig, OptimizeConfig, RoISettings, SISettings, optimize
+from peer_llmcompressor import PEER_RECIPE  # (bench/ is this script's directory)
 
 DEFAULT_RUNS = ["magnitude:2:4", "wanda:2:4", "sparsegpt:2:4", "si+magnitude:2:4", "si+wanda:2:4",
                 "si+sparsegpt:2:4", "roi:2:4",
                 "magnitude:4:8", "wanda:4:8", "sparsegpt:4:8", "magnitude:2:8", "wanda:2:8", "sparsegpt:2:8"]
 PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
+PEER_RUN = "llm-compressor:2:4"
+# Kept as the file has them when another process of the run wrote them first: its command line
+# (each row records its own), and measurements any process makes alike.
+KEEP = [*(f"protocol.{k}" for k in benchlib.RUN_KEYS), "dense_ppl", "si_fast_update"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--runs", nargs="*", default=DEFAULT_RUNS,
                     help="method:N:M entries; method:N:M@float32 (or @bfloat16) sets that run's --calib-dtype")
     ap.add_argument("--calib-windows", type=int, default=32)
@@ -65,68 +68,75 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true", help="skip llm-compressor")
     ap.add_argument("--fresh-peer", action="store_true",
                     help="rerun llm-compressor beside our runs even if a finished run of it is cached")
-    ap.add_argument("--reuse", action="store_true", help="keep results of runs already in the JSON")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sparse"))
+    ap.add_argument("--reuse", action="store_true", help="keep results of runs already in --out's JSON")
+    ap.add_argument("--out", help="run folder (default: a new bench/results/sparse/<date>-<commit>; "
+                                  "an earlier run's to add rows to it)")
     ap.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                     help="only merge the runs of these result files into --out's and rewrite the table")
     args = ap.parse_args()
+    run_info = benchlib.run_info()
     if args.merge:
+        if args.out is None:
+            raise SystemExit("error: --merge adds runs to an earlier run's sparse.json: name its folder with --out")
         path = Path(args.out) / "sparse.json"
-        results = json.loads(path.read_text())
-        merged = set()
+        if not path.is_file():
+            raise SystemExit(f"error: {path}: no such file")
         for other in args.merge:
             other = json.loads(Path(other).read_text())
-            results["runs"].update(other["runs"])
-            merged |= set(other["runs"])
-            results.setdefault("si_fast_update", other.get("si_fast_update"))
-        _save(results, path, merged)
-        (Path(args.out) / "sparse.md").write_text(table(results))
+            results = benchlib.update_result(path, {"runs": other["runs"], **{k: other[k] for k in ("si_fast_update",)
+                                                                             if other.get(k) is not None}}, KEEP)
+        benchlib.write_markdown(Path(args.out) / "sparse.md", table(results))
         print(table(results))
         return
 
     data = Path(args.data)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = benchlib.run_dir("sparse", args.out)
     work = ROOT / "out" / "sparse"
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     path = out / "sparse.json"
-    results = json.loads(path.read_text()) if (args.reuse and path.is_file()) else {"runs": {}}
-    mine = set()  # the runs this process makes (see _save)
+    on_disk = benchlib.read_result(path, {"runs": {}})
+    clash = [r for r in [*args.runs, *([] if args.no_peer else [PEER_RUN])] if r in on_disk["runs"]]
+    if clash and not args.reuse:
+        raise SystemExit(f"error: {path} has {', '.join(clash)} already; results are never replaced: run without "
+                         "--out (a new run folder), or with --reuse to keep those rows and add the rest")
+    results = on_disk if args.reuse else {"runs": {}}
     source = load.resolve(None)
-    model, tok = load.load_model(source)
-    calib = data_mod.token_windows(tok, data_mod.read_text_file(data / "wikitext2-valid.txt").text, 2048,
-                                   args.calib_windows)
-    evalw = data_mod.token_windows(tok, data_mod.read_text_file(data / "wikitext2-raw-test.txt").text, 2048,
-                                   args.eval_windows)
     results["protocol"] = {"model": source.description, "calib_windows": args.calib_windows, "seq_len": 2048,
                            "eval_windows": args.eval_windows, "threads": args.threads, "roi_steps": args.roi_steps,
                            "roi_seq_len": args.roi_seq_len, "seed": args.seed,
-                           "si_steps": args.si_steps, "calib_dtype": args.calib_dtype, "command": " ".join(sys.argv)}
+                           "si_steps": args.si_steps, "calib_dtype": args.calib_dtype, **run_info}
+    benchlib.check_update(path, results, KEEP)  # the same settings as the rows there, before any run
+    model, tok = load.load_model(source)
+    calib = benchlib.wikitext_windows(tok, "valid", args.calib_windows, data_dir=data)
+    evalw = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=data)
     results["dense_ppl"] = dense_perplexity(model, evalw, source)
-    if not (args.reuse and "si_fast_update" in results):
+    if "si_fast_update" not in on_disk:  # else the file's is kept (KEEP)
         results["si_fast_update"] = si_fast_update(model, calib[:4])
     del model
-    _save(results, path)
+    results = _save(results, path)
 
     # The peer runs *beside* our runs (its own process, same thread count), so both see the
     # same machine load; its perplexity is measured once both are done.
     peer = None
     if not args.no_peer and PEER_PYTHON.is_file():
-        if not (args.reuse and "llm-compressor:2:4" in results["runs"]):
+        if PEER_RUN not in results["runs"]:
             peer = _start_peer(source, calib, work, args.threads, fresh=args.fresh_peer)
     elif not args.no_peer:
         print(f"peer skipped: {PEER_PYTHON} missing (run bench/setup_peer.sh)")
     for run in args.runs:
         spec, _, dtype = run.partition("@")  # "sparsegpt:2:4@float32": this run's passes' dtype
         method, pattern = spec.split(":", 1)
-        if args.reuse and run in results["runs"]:
-            continue
+        done = benchlib.read_result(path)["runs"]  # as it is now: other processes add to it too
+        if run in done:
+            if args.reuse:
+                continue
+            raise SystemExit(f"error: another process made {run} in {path} meanwhile; results are never replaced")
         pkg = work / f"{method}-{pattern.replace(':', 'of')}{'-' + dtype if dtype else ''}"
         shutil.rmtree(pkg, ignore_errors=True)
         r = optimize(OptimizeConfig(target="h100", engine_version="0.18.0", method=method, sparsity=pattern,
-                                    data=DataConfig(calib=str(data / "wikitext2-valid.txt"),
-                                                    eval=str(data / "wikitext2-raw-test.txt"),
+                                    data=DataConfig(calib=str(benchlib.data_file("valid", data)),
+                                                    eval=str(benchlib.data_file("test", data)),
                                                     calib_windows=args.calib_windows, eval_windows=args.eval_windows),
                                     threads=args.threads, si=SISettings(steps=args.si_steps),
                                     roi=RoISettings(steps=args.roi_steps, seq_len=args.roi_seq_len), seed=args.seed,
@@ -136,15 +146,13 @@ def main() -> None:
         results["runs"][run] = {"method": method, "sparsity": pattern, "ppl": r["manifest"]["quality"]["perplexity"]["pruned"],
                                 "wall_s": m["wall_s"], "zero_fraction": m["zero_fraction"],
                                 "calib_dtype": m.get("calib_dtype", "float32"), "beside_peer": peer is not None and peer[1] is not None and peer[1].poll() is None,
-                                **{k: m[k] for k in ("si", "roi") if k in m}}
-        mine.add(run)
-        _save(results, path, mine)
+                                **{k: m[k] for k in ("si", "roi") if k in m}, **run_info}
+        results = _save(results, path)
 
     if peer is not None:
-        results["runs"]["llm-compressor:2:4"] = _finish_peer(*peer, evalw)
-        mine.add("llm-compressor:2:4")
-        _save(results, path, mine)
-    (out / "sparse.md").write_text(table(results))
+        results["runs"][PEER_RUN] = {**_finish_peer(*peer, evalw), **run_info}
+        results = _save(results, path)
+    benchlib.write_markdown(out / "sparse.md", table(results))
     print(table(results))
 
 
@@ -200,38 +208,31 @@ def _finish_peer(pkg: Path, proc, evalw) -> dict:
             "lm_head_zero_fraction": peer.get("lm_head_zero_fraction")}
 
 
-def _save(results: dict, path: Path, mine: set | None = None) -> None:
-    """Merge into the file rather than overwrite it: several bench processes (one per core,
-    different --runs) may share one results file. Only the runs this process made (`mine`)
-    replace rows on disk; rows it merely read at start must not undo another process's."""
-    if path.is_file():
-        on_disk = json.loads(path.read_text())
-        runs = {**results["runs"], **on_disk.get("runs", {})}
-        runs.update({k: results["runs"][k] for k in (mine or ()) if k in results["runs"]})
-        results["runs"] = runs
-        if "si_fast_update" in on_disk:
-            results.setdefault("si_fast_update", on_disk["si_fast_update"])
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(path)
+def _save(results: dict, path: Path) -> dict:
+    """Add this process's rows to the file and return what it holds now. Several bench
+    processes (one per core, different --runs) may share one results file: rows another
+    process added stay, and none is ever replaced (benchlib.update_result)."""
+    return benchlib.update_result(path, results, KEEP)
 
 
 def table(results: dict) -> str:
     dense = results["dense_ppl"]
     runs = results["runs"]
-    peer = runs.get("llm-compressor:2:4")
+    peer = runs.get(PEER_RUN)
     p = results["protocol"]
     lines = [f"Dense perplexity {dense:.3f} ({p['eval_windows']} × 2048 tokens of WikiText-2 test); "
              f"calibration {p['calib_windows']} × 2048 tokens of WikiText-2 validation; {p['threads']} torch thread(s).",
-             "", "| method | sparsity | passes | PPL | excess PPL | excess / peer's | wall s | peer's wall / ours (side by side) |",
-             "|---|---|---|---|---|---|---|---|"]
+             ""]
+    rows = []
     for name, r in runs.items():
         excess = r["ppl"] - dense
         vs = f"{excess / (peer['ppl'] - dense):.2f}×" if peer and r["sparsity"] == "2:4" else "—"
         # a wall-time ratio only for runs made while the peer ran beside them (same load)
         wall = f"{peer['wall_s'] / r['wall_s']:.2f}×" if peer and r.get("beside_peer") and r is not peer else "—"
         passes = {"bfloat16": "bf16", "float32": "fp32", None: "none"}[r.get("calib_dtype", "float32")]
-        lines.append(f"| {r['method']} | {r['sparsity']} | {passes} | {r['ppl']:.3f} | {excess:.3f} | {vs} | {r['wall_s']:.0f} | {wall} |")
+        rows.append([r["method"], r["sparsity"], passes, f"{r['ppl']:.3f}", f"{excess:.3f}", vs, f"{r['wall_s']:.0f}", wall])
+    lines.append(benchlib.markdown_table(["method", "sparsity", "passes", "PPL", "excess PPL", "excess / peer's", "wall s",
+                                          "peer's wall / ours (side by side)"], rows))
     fu = results.get("si_fast_update")
     if fu:
         lines += ["", f"SI fast Wanda-metric update vs recomputation (block 0, {fu['tokens']} tokens): "

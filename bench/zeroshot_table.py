@@ -7,7 +7,7 @@ each task's primary metric, the mean over all tasks (what `evaluate` prints), an
 the tasks the dense model is clearly above chance on: more than two standard errors above
 1/choices. At 135M parameters some tasks sit at chance even dense (BoolQ, WinoGrande here); their
 scores move with noise only, and they would set the mean's differences by themselves.
-Writes table.md beside the files.
+Writes table.md beside the files (a view of them, rebuilt from them on each run).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+import benchlib
 
 
 def informative(dense: dict) -> list[str]:
@@ -26,12 +28,12 @@ def table(runs: dict[str, dict]) -> str:
     tasks = list(next(iter(runs.values()))["tasks"])
     signal = informative(runs["dense"]) if "dense" in runs else tasks
     head = ["model", *tasks, f"mean of {len(tasks)}", f"mean of {', '.join(signal)}"]
-    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    rows = []
     for name, r in runs.items():
         scores = {t: r["tasks"][t]["score"] for t in tasks}
         sig = sum(scores[t] for t in signal) / len(signal)
-        lines.append(f"| {name} | " + " | ".join(f"{scores[t]:.3f}" for t in tasks)
-                     + f" | {r['mean']:.3f} | {sig:.3f} |")
+        rows.append([name, *(f"{scores[t]:.3f}" for t in tasks), f"{r['mean']:.3f}", f"{sig:.3f}"])
+    lines = [benchlib.markdown_table(head, rows, align="l" + "r" * (len(head) - 1))]
     docs = {r["tasks"][t]["docs"] for r in runs.values() for t in tasks}
     se = max(r["tasks"][t]["stderr"] for r in runs.values() for t in tasks)
     se_signal = max(sum(r["tasks"][t]["stderr"] ** 2 for t in signal) ** 0.5 / len(signal) for r in runs.values())
@@ -50,7 +52,7 @@ def main() -> None:
         raise SystemExit(f"error: no evaluate --json files in {args.directory}")
     runs = {p.stem: json.loads(p.read_text()) for p in files}
     text = table(runs)
-    (Path(args.directory) / "table.md").write_text(text)
+    benchlib.write_markdown(Path(args.directory) / "table.md", text)
     print(text)
 
 
