@@ -78,17 +78,26 @@ def one_line_errors(fn):
                    "calibration windows, so they make up for what was removed (weights change; same shapes).")
 @click.option("--refit-damp", default=0.1, show_default=True,
               help="--refit: the ridge toward the masked weights, times the Gram matrix's mean diagonal.")
+@click.option("--heal-tokens", default=0, show_default=True,
+              help="Heal after surgery: distil the pruned model from the dense one for this many tokens (0: no healing).")
+@click.option("--heal-time", type=float, help="Heal: stop training after this many seconds (checkpointed; the package is written).")
+@click.option("--heal-data", multiple=True, type=click.Path(),
+              help="Heal on this text file, or JSONL with a `text` field or chat `messages` (repeatable; "
+                   "default: the calibration text). It must not hold the evaluation text.")
+@click.option("--heal-lr", default=1e-4, show_default=True, help="Heal: AdamW's peak learning rate (a cosine to a tenth).")
+@click.option("--no-heal", is_flag=True, help="Do not heal, whatever --heal-tokens says.")
 @one_line_errors
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads, budget, layout, steps, ddp_batch, ddp_seq_len, ddp_lr, ddp_lr_end,
-             ddp_beta, resume, si_steps, roi_steps, roi_seq_len, roi_prior, calib_dtype, refit, refit_damp):
+             ddp_beta, resume, si_steps, roi_steps, roi_seq_len, roi_prior, calib_dtype, refit, refit_damp,
+             heal_tokens, heal_time, heal_data, heal_lr, no_heal):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
     SmolLM2-135M-Instruct is used.
     """
-    from optimizer.pipeline import (DataConfig, DDPSettings, OptimizeConfig, RefitSettings, RoISettings, SISettings,
-                                    optimize as run)
+    from optimizer.pipeline import (DataConfig, DDPSettings, HealSettings, OptimizeConfig, RefitSettings, RoISettings,
+                                    SISettings, optimize as run)
     if eval_windows != "all" and not eval_windows.isdigit():
         raise UserError(f"--eval-windows must be a number or 'all', got {eval_windows!r}")
     data = DataConfig(calib=calib, eval=eval_, seq_len=seq_len, calib_windows=calib_windows,
@@ -100,7 +109,9 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
                        ddp=DDPSettings(steps=steps, batch=ddp_batch, seq_len=ddp_seq_len, lr=ddp_lr, lr_end=ddp_lr_end,
                                        beta=ddp_beta),
                        roi=RoISettings(steps=roi_steps, seq_len=roi_seq_len, prior=roi_prior),
-                       si=SISettings(steps=si_steps)),
+                       si=SISettings(steps=si_steps),
+                       heal=HealSettings(tokens=0 if no_heal else heal_tokens, time_s=heal_time,
+                                         data=list(heal_data) or None, lr=heal_lr)),
         dry_run=dry_run)
 
 

@@ -68,6 +68,17 @@ class RefitSettings:
 
 
 @dataclass
+class HealSettings:
+    """Distillation of the pruned model from the dense one after surgery (optimizer/heal.py)."""
+    tokens: int = 0                   # training tokens; 0: no healing
+    time_s: float | None = None       # a cap on the training's wall time
+    data: list[str] | None = None     # text / JSONL files; None: the calibration text
+    lr: float = 1e-4                  # AdamW, linear warm-up then a cosine to lr / 10
+    seq_len: int = 1024               # tokens a sequence (the whole window where it does not divide)
+    batch: int = 4                    # sequences a step
+
+
+@dataclass
 class OptimizeConfig:
     model: str | None = None          # HF dir, hub id, GGUF file; None = the embedded default
     target: str = "auto"              # a profile name, or auto (detect)
@@ -89,6 +100,7 @@ class OptimizeConfig:
     ddp: DDPSettings = field(default_factory=DDPSettings)
     roi: RoISettings = field(default_factory=RoISettings)
     si: SISettings = field(default_factory=SISettings)
+    heal: HealSettings = field(default_factory=HealSettings)
 
 
 def validate(cfg: OptimizeConfig) -> None:
@@ -128,6 +140,13 @@ def validate(cfg: OptimizeConfig) -> None:
             raise UserError("--layout applies to structured methods; semi-structured pruning keeps every shape")
         if cfg.refit is not None:
             raise UserError("--refit applies to structured methods (removed heads and channels), not semi-structured ones")
-    for path, what in ((dc.calib, "calibration file"), (dc.eval, "evaluation file")):
+    h = cfg.heal
+    if h.tokens < 0 or (h.time_s is not None and h.time_s <= 0) or h.lr <= 0 or h.seq_len < 16 or h.batch < 1:
+        raise UserError("--heal-tokens must be >= 0, --heal-time and the heal learning rate > 0, "
+                        "its sequence length >= 16 and batch >= 1")
+    if 0 < h.tokens < h.batch * h.seq_len:
+        raise UserError(f"--heal-tokens {h.tokens} is less than one step of {h.batch} × {h.seq_len} tokens")
+    for path, what in ((dc.calib, "calibration file"), (dc.eval, "evaluation file"),
+                       *((p, "heal data file") for p in h.data or ())):
         if path is not None:
             data.read_text_file(path, what)  # raises on missing / empty / binary

@@ -6,8 +6,8 @@ and the temporary package directory — and `Job.run(kind)` calls the stages of 
 in order. The structured kind (`optimizer/structured.py`) and the semi-structured kind
 (`optimizer/semistructured.py`) are peers on it.
 
-The stage contract. A kind is an object with four methods; each gets the job and what the
-previous stage returned:
+The stage contract. A kind is an object with four methods (and `edits_in_place`: whether its
+method writes into job.model); each gets the job and what the previous stage returned:
 
     method(job)                 → Decision   observe the calibration windows (statistics, or a
                                              training run through `job.train`) and decide: typed
@@ -23,12 +23,13 @@ previous stage returned:
     export(job, m, manifest)    → None       write the package into job.tmp and rename it to
                                              job.out (an exporter's write_package does both).
 
-Stages still to come plug in between surgery and evaluation and keep this contract:
-  heal(job, model)     → model   distillation from job.model (the teacher): weights change,
-                                 shapes and zeros never do; trains through `job.train`
-                                 (checkpoints, --resume, progress bar) like any trained method
-  quantize(job, model) → model   weights (and activations) to the target's precision; the
-                                 manifest gains a quantization section
+Stages between surgery and evaluation take the deployable model and return it, same shapes:
+  heal(job, model)     → model   (optimizer/heal.py, with --heal-tokens) distillation from
+                                 job.teacher, the dense model (a copy where the kind edits
+                                 job.model in place): weights change, shapes and zeros never do;
+                                 trains through `job.train`; the manifest gains a "heal" section
+  quantize(job, model) → model   (to come) weights (and activations) to the target's precision;
+                                 the manifest gains a quantization section
 A stage that trains checkpoints through `job.train`, keyed by `job.checkpoint(...)`, which
 hashes the model's and the calibration text's *content* with the stage's settings.
 
@@ -40,6 +41,7 @@ Ctrl-C or SIGTERM; directories left by a SIGKILL are swept at the next start.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as _dt
 import hashlib
 import json
@@ -77,6 +79,7 @@ class Calibration:
 class Evaluation:
     description: str
     windows: torch.Tensor
+    text: str = ""
 
 
 @dataclass
@@ -103,14 +106,24 @@ class Job:
     calib: Calibration | None = None
     evaluation: Evaluation | None = None
     dense_ppl: float | None = None
+    teacher: torch.nn.Module | None = None   # the dense model healing distils from
+    heal_detail: dict | None = None
 
     # --- the skeleton ------------------------------------------------------------------------
     def run(self, kind) -> dict:
         self.load()
         self.calibrate()
         self.evaluate_dense()          # before any method: semi-structured ones edit in place
+        heal = self.cfg.heal.tokens > 0
+        if heal:
+            self.check_heal_data()
+            # the teacher is the dense model: a copy where the method edits job.model in place
+            self.teacher = copy.deepcopy(self.model) if kind.edits_in_place else self.model
         decision = kind.method(self)
         model = kind.surgery(self, decision)
+        if heal:
+            from optimizer.heal import heal as heal_stage
+            model = heal_stage(self, model)
         quality = self.quality(model)
         manifest = self.manifest(kind.describe(self, decision, model), quality)
         kind.export(self, model, manifest)
@@ -144,8 +157,28 @@ class Job:
         if text is None:
             self.log("perplexity: skipped (no --eval file and no built-in corpus)")
             return
-        self.evaluation = Evaluation(text.description, data.token_windows(self.tok, text.text, d.seq_len, d.eval_windows))
+        self.evaluation = Evaluation(text.description, data.token_windows(self.tok, text.text, d.seq_len, d.eval_windows),
+                                     text.text)
         self.dense_ppl = dense_perplexity(self.model, self.evaluation.windows, self.source)
+
+    def check_heal_data(self) -> None:
+        """The evaluation text is never trained on: refuse heal data that holds it, warn at a trace."""
+        from optimizer.heal import eval_overlap, heal_chunks
+        if self.evaluation is None:
+            return
+        files = self.cfg.heal.data
+        if files:
+            from optimizer.heal import read_heal_file
+            text, what = "\n".join(read_heal_file(p, self.tok) for p in files), "--heal-data"
+        else:
+            text, what = self.calib.text.text, "the calibration text (the heal data by default)"
+        share = eval_overlap(text, self.evaluation.text)
+        if share > 0.05:
+            raise UserError(f"{what} contains {share:.0%} of the evaluation text's lines; healing on it would make "
+                            f"the reported perplexity a memory test: use other heal data or another --eval")
+        if share > 0:
+            self.log(f"warning: {what} contains {share:.1%} of the evaluation text's lines")
+        heal_chunks(self)  # too little text is a one-line error now, not after pruning
 
     def quality(self, model) -> dict:
         """The manifest's perplexity entry: dense against the deployable model."""
@@ -168,10 +201,11 @@ class Job:
         return load.cache_dir() / "runs" / f"{kind}-{key}.pt"
 
     def train(self, method, chunks: torch.Tensor, steps: int, batch: int, ckpt: Path, desc: str,
-              postfix: Callable[[dict], dict]) -> dict:
+              postfix: Callable[[dict], dict], max_time_s: float | None = None) -> dict:
         """Step a `TrainedMethod` to `steps`, `batch` chunks a step in a seeded order (resumable),
         checkpointing every CHECKPOINT_EVERY steps and at the end; --resume continues from the
-        checkpoint. Returns the last step's stats, where it resumed from, and the wall time."""
+        checkpoint; `max_time_s` stops it early (checkpointed). Returns the last step's stats,
+        where it resumed from, and the wall time."""
         resumed = self.cfg.resume and method.load(ckpt)
         if self.cfg.resume and not resumed:
             self.log(f"--resume: no checkpoint of this exact run at {ckpt}; starting from step 0")
@@ -181,8 +215,12 @@ class Job:
             stats = method.step(chunks[batch_indices(len(chunks), batch, method.step_count, self.cfg.seed)])
             bar.set_postfix(**postfix(stats))
             bar.update(1)
-            if method.step_count % CHECKPOINT_EVERY == 0 or method.step_count == steps:
+            out_of_time = max_time_s is not None and time.time() - started >= max_time_s
+            if method.step_count % CHECKPOINT_EVERY == 0 or method.step_count == steps or out_of_time:
                 method.save(ckpt)
+            if out_of_time:
+                self.log(f"{desc}: stopped by the time cap after {method.step_count} of {steps} steps")
+                break
         bar.close()
         return {"final": stats, "resumed_from_step": start_step, "wall_s": round(time.time() - started, 1),
                 "checkpoint": str(ckpt)}
@@ -208,6 +246,7 @@ class Job:
                      "engine": plan.engine, "engine_version": plan.engine_version},
             "engine": sections["engine"],
             "checks": sections["checks"],
+            **({"heal": self.heal_detail} if self.heal_detail else {}),
             "wall_s": round(time.time() - self.started, 1),
         }
 

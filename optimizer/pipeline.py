@@ -12,13 +12,13 @@ from typing import Callable
 
 from optimizer import budget, load, plan as planner, profiles, sparsity
 from optimizer.adapters import get_adapter
-from optimizer.config import (DataConfig, DDPSettings, OptimizeConfig, RefitSettings, RoISettings, SISettings,
-                              validate)
+from optimizer.config import (DataConfig, DDPSettings, HealSettings, OptimizeConfig, RefitSettings, RoISettings,
+                              SISettings, validate)
 from optimizer.errors import UserError
 from optimizer.job import Job, staged
 
 __all__ = ["optimize", "validate", "OptimizeConfig", "DataConfig", "DDPSettings", "RoISettings", "SISettings",
-           "RefitSettings"]
+           "RefitSettings", "HealSettings"]
 
 
 def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = print) -> dict:

@@ -10,6 +10,31 @@ def _perplexity_line(q: dict | None) -> str:
             f"dense **{q['dense']:.3f}**, pruned **{q['pruned']:.3f}**.")
 
 
+def _heal_lines(m: dict) -> list[str]:
+    h = m.get("heal")
+    if not h:
+        return []
+    q = m["quality"].get("perplexity")
+    b, a = h["before"], h["after"]
+    lines = ["", "## Healing", "",
+             f"Distilled from the dense model on {h['data']}: {h['tokens']:,} tokens in {h['steps']} steps "
+             f"({h['wall_s']:.0f} s, peak {h['peak_rss_gib']:.1f} GiB resident"
+             + (", stopped by the time cap" if h["stopped_by_time"] else "") + ").",
+             f"KL to the dense model on the held-out calibration window: {b['held_out_kd']:.4f} before, "
+             f"{a['held_out_kd']:.4f} after."]
+    if q and "perplexity" in b:
+        lines.append(f"Perplexity on the evaluation text: {b['perplexity']:.3f} before healing, "
+                     f"{q['pruned']:.3f} after (dense {q['dense']:.3f}).")
+    if h.get("zeros_held"):
+        lines.append(f"The zeros of {h['zeros_held']} weight matrices were held through training.")
+    if h.get("chat"):
+        lines += ["", "Greedy answers (PyTorch), dense beside healed:", "",
+                  "| instruction | dense | healed |", "|---|---|---|"]
+        cell = lambda t: t.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        lines += [f"| {cell(c['prompt'])} | {cell(c['dense'])} | {cell(c['healed'])} |" for c in h["chat"]]
+    return lines
+
+
 def render(m: dict) -> str:
     meth, size, q = m["method"], m["size"], m["quality"].get("perplexity")
     dense, shape = meth["dense_shape"], meth["shape"]
@@ -45,7 +70,7 @@ def render(m: dict) -> str:
         s = c["shape"]
         lines.append(f"- {s['num_heads']}/{s['num_kv_heads']} heads, {s['intermediate_size']} channels: "
                      f"retention {c['retain']:.3f}, loss {c['held_out_loss']:.4f}")
-    lines += ["", "## Quality", "", _perplexity_line(q)]
+    lines += ["", "## Quality", "", _perplexity_line(q), *_heal_lines(m)]
     lines += ["", "## Plan", "", "```", m["plan"]["text"], "```", "",
               "The roofline is a prediction from the target's datasheet numbers; "
               "`bench PACKAGE --baseline MODEL` measures the real ratio on your hardware.", "",
@@ -85,7 +110,7 @@ def render_sparse(m: dict) -> str:
         f"block by block ({meth['wall_s']:.0f} s)",
         "",
         "## Speed", "", speed, "",
-        "## Quality", "", _perplexity_line(q),
+        "## Quality", "", _perplexity_line(q), *_heal_lines(m),
     ]
     lines += ["", "## Plan", "", "```", m["plan"]["text"], "```", "",
               "## Serving", "",

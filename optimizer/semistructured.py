@@ -30,6 +30,8 @@ PRUNERS = {"magnitude": Magnitude, "wanda": Wanda, "sparsegpt": SparseGPT}
 
 
 class SemiStructured:
+    edits_in_place = True  # the zeros are written into job.model
+
     # --- method: observe → decide, the zeros applied in place --------------------------------------
     def method(self, job: Job) -> Decision:
         sparsity = parse(job.plan.sparsity)

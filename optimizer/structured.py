@@ -38,6 +38,8 @@ def exporter(fmt: str):
 
 
 class Structured:
+    edits_in_place = False  # surgery builds a new model; job.model stays the dense teacher
+
     # --- method: observe → decide ----------------------------------------------------------------
     def method(self, job: Job) -> Decision:
         cfg, model, adapter, calib = job.cfg, job.model, job.adapter, job.calib

@@ -1,0 +1,293 @@
+"""Heal: knowledge distillation of the pruned student from the dense teacher (methods.md §6).
+
+The stage between surgery and evaluation (`job.Job.run`): the physically pruned model trains its
+decoder weights — blocks and final norm; the embedding and LM head stay frozen, so a tied head
+stays tied and the vocabulary's 28% of SmolLM2's parameters carry no optimizer state — to match
+the dense model's next-token distribution, KL(teacher ‖ student) per token. Shapes never change;
+zeros a semi-structured method wrote are held bit for bit (`keep` masks reapplied after every
+step, so Adam's moments never move a pruned weight off zero in the weights that ship).
+
+The KL over the vocabulary is computed in chunks of the sequence (`kd_loss_backward`): only one
+chunk's logits exist at a time, for the teacher and the student (a 262k vocabulary is 2 GB of
+fp32 logits per 2048 tokens), and the student's gradient flows back through the last hidden
+state once.
+
+Observe = `step(batch)`; it is a `TrainedMethod`, so the job's loop checkpoints and resumes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from optimizer.methods.base import TrainedMethod
+
+ALGORITHM = "heal-1: logit KL(teacher || student), chunked; blocks and final norm train; AdamW, cosine"
+
+
+@dataclass
+class HealConfig:
+    steps: int
+    lr: float = 1e-4
+    lr_end: float = 1e-5           # cosine from lr to this
+    warmup: float = 0.05           # fraction of steps of linear warm-up
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    kl_chunk: int = 256            # tokens of logits held at once
+    dtype: str = "float32"         # "bfloat16": forward passes under autocast (weights, states fp32)
+    seed: int = 0
+
+
+class Distillation(TrainedMethod):
+    def __init__(self, student, teacher, cfg: HealConfig, keep: dict[str, torch.Tensor] | None = None):
+        self.student, self.teacher, self.cfg = student, teacher, cfg
+        frozen = {id(p) for m in (student.get_input_embeddings(), student.get_output_embeddings()) for p in m.parameters()}
+        self.params = {n: p for n, p in student.named_parameters() if id(p) not in frozen}
+        for p in student.parameters():
+            p.requires_grad_(id(p) not in frozen)
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        self.keep = keep or {}
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.step_count = 0
+        self.start_digest = digest(self.params)
+        student.train(False)  # no dropout: the student is compared token for token with the teacher
+
+    def lr(self) -> float:
+        warm = max(1, round(self.cfg.warmup * self.cfg.steps))
+        if self.step_count < warm:
+            return self.cfg.lr * (self.step_count + 1) / warm
+        t = min(1.0, (self.step_count - warm) / max(1, self.cfg.steps - 1 - warm))
+        return self.cfg.lr_end + (self.cfg.lr - self.cfg.lr_end) * (1 + math.cos(math.pi * t)) / 2
+
+    def step(self, input_ids: torch.Tensor) -> dict:
+        self.opt.zero_grad(set_to_none=True)
+        kd = 0.0
+        for seq in input_ids.split(1):  # one sequence's activations at a time; the batch's gradient
+            kd += kd_loss_backward(self.student, self.teacher, seq, self.cfg.kl_chunk, self.cfg.dtype,
+                                   scale=1 / len(input_ids))
+        norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.grad_clip)
+        lr = self.lr()
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        self.hold_zeros()
+        self.step_count += 1
+        return {"kd": kd, "lr": lr, "grad_norm": float(norm)}
+
+    @torch.no_grad()
+    def hold_zeros(self) -> None:
+        for name, keep in self.keep.items():
+            self.params[name].mul_(keep)
+
+    def close(self) -> None:
+        for p in self.student.parameters():
+            p.requires_grad_(False)
+
+    # --- checkpoint / resume ---------------------------------------------------------------
+    def identity(self) -> dict:
+        return {"config": asdict(self.cfg), "algorithm": ALGORITHM, "student": self.start_digest}
+
+    def state(self) -> dict:
+        return {"params": {n: p.detach().clone() for n, p in self.params.items()}, "opt": self.opt.state_dict(),
+                "step": self.step_count, "rng": torch.get_rng_state()}
+
+    def restore(self, state: dict) -> None:
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(state["params"][n])
+        self.opt.load_state_dict(state["opt"])
+        self.step_count = state["step"]
+        torch.set_rng_state(state["rng"])
+
+    def state_bytes(self) -> dict:
+        """Bytes of what training holds beside the two models: gradients and Adam's moments."""
+        trainable = sum(p.numel() * p.element_size() for p in self.params.values())
+        return {"trainable_params": sum(p.numel() for p in self.params.values()),
+                "weights": trainable, "grads": trainable, "adam": 2 * trainable}
+
+
+def kd_loss_backward(student, teacher, input_ids: torch.Tensor, chunk: int, dtype: str = "float32",
+                     scale: float = 1.0) -> float:
+    """KL(teacher ‖ student) per token of `input_ids` [1, T], backpropagated (times `scale`) into
+    the student; the logits exist one chunk of `chunk` tokens at a time. Returns the mean KL."""
+    autocast = torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+    with torch.no_grad(), autocast:
+        t_hidden = teacher.get_decoder()(input_ids).last_hidden_state
+    with autocast:
+        s_hidden = student.get_decoder()(input_ids).last_hidden_state
+    h = s_hidden.detach().requires_grad_(True)
+    s_head, t_head = student.get_output_embeddings(), teacher.get_output_embeddings()
+    n, total = input_ids.numel(), 0.0
+    for i in range(0, input_ids.shape[1], chunk):
+        with torch.no_grad(), autocast:
+            t_logp = F.log_softmax(t_head(t_hidden[:, i:i + chunk]).float(), dim=-1)
+        with autocast:
+            s_logits = s_head(h[:, i:i + chunk])
+        s_logp = F.log_softmax(s_logits.float(), dim=-1)
+        kl = F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="sum") / n
+        (kl * scale).backward()
+        total += kl.item()
+    s_hidden.backward(h.grad)
+    return total
+
+
+@torch.no_grad()
+def kd_eval(student, teacher, windows: torch.Tensor, chunk: int = 256) -> float:
+    """Mean KL(teacher ‖ student) per token over `windows`, without training."""
+    total, n = 0.0, 0
+    for w in windows:
+        t_hidden = teacher.get_decoder()(w[None]).last_hidden_state
+        s_hidden = student.get_decoder()(w[None]).last_hidden_state
+        for i in range(0, w.numel(), chunk):
+            t_logp = F.log_softmax(teacher.get_output_embeddings()(t_hidden[:, i:i + chunk]).float(), -1)
+            s_logp = F.log_softmax(student.get_output_embeddings()(s_hidden[:, i:i + chunk]).float(), -1)
+            total += F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="sum").item()
+        n += w.numel()
+    return total / n
+
+
+def zero_masks(model, adapter) -> dict[str, torch.Tensor]:
+    """{parameter name: keep mask} of the blocks' Linear weights that hold zeros (semi-structured)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    keep = {}
+    for block in adapter.blocks(model):
+        for lin in adapter.linears(block).values():
+            w = lin.weight.detach()
+            if (w == 0).any():
+                keep[names[id(lin.weight)]] = (w != 0).to(w.dtype)
+    return keep
+
+
+def digest(params: dict[str, torch.Tensor]) -> str:
+    """A hash of the student's starting weights: a checkpoint resumes only the very same student."""
+    h = hashlib.sha256()
+    for n, p in params.items():
+        h.update(n.encode())
+        h.update(p.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# --- the stage ----------------------------------------------------------------------------------
+
+CHAT_PROMPTS = ("What is the capital of France?", "Give me three tips for staying healthy.",
+                "Write one sentence about the sea.")
+
+
+def heal(job, model):
+    """The heal stage (job.Job.run): distil `model` (the deployable student) from `job.teacher`
+    for `job.cfg.heal.tokens` tokens (at most `time_s` seconds); returns it healed, and leaves the
+    manifest's account in `job.heal_detail`."""
+    import time
+
+    from optimizer import evaluate
+    from optimizer.methods.ddp import peak_rss_gib
+    from optimizer.sequential import calibration_dtype
+    s, cfg = job.cfg.heal, job.cfg
+    chunks, source = heal_chunks(job)
+    steps = s.tokens // (s.batch * s.seq_len)
+    hcfg = HealConfig(steps=steps, lr=s.lr, seed=cfg.seed,
+                      dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."))
+    keep = zero_masks(model, job.adapter) if job.plan.sparsity else None
+    before = {}
+    if job.evaluation is not None:
+        before["perplexity"] = evaluate.perplexity(model, job.evaluation.windows, "perplexity (before healing)")
+    held_out = job.calib.held_out[:, :1024]
+    before["held_out_kd"] = kd_eval(model, job.teacher, held_out)
+    started = time.time()
+    distil = Distillation(model, job.teacher, hcfg, keep)
+    ckpt = job.checkpoint("heal", [vars(hcfg), s.seq_len, s.batch, source, distil.start_digest])
+    run = job.train(distil, chunks, steps, s.batch, ckpt, "healing",
+                    lambda st: {"kd": f"{st['kd']:.3f}", "lr": f"{st['lr']:.1e}"}, max_time_s=s.time_s)
+    distil.close()
+    done = distil.step_count
+    after = {"held_out_kd": kd_eval(model, job.teacher, held_out)}
+    job.log(f"healed: {done} steps, {done * s.batch * s.seq_len:,} tokens of {source} in {run['wall_s']:.0f} s; "
+            f"held-out KL to the dense model {before['held_out_kd']:.4f} → {after['held_out_kd']:.4f}")
+    job.heal_detail = {
+        "data": source, "tokens_requested": s.tokens, "tokens": done * s.batch * s.seq_len, "steps": done,
+        "steps_planned": steps, "seq_len": s.seq_len, "batch": s.batch, "time_cap_s": s.time_s,
+        "stopped_by_time": done < steps, "config": vars(hcfg), "zeros_held": len(keep or {}),
+        "before": before, "after": after, "memory_bytes": distil.state_bytes(),
+        "peak_rss_gib": round(peak_rss_gib(), 2), "wall_s": round(time.time() - started, 1),
+        "resumed_from_step": run["resumed_from_step"], "final": run["final"], "checkpoint": run["checkpoint"],
+        "chat": chat_check(job.teacher, model, job.tok),
+    }
+    return model
+
+
+def heal_chunks(job) -> tuple[torch.Tensor, str]:
+    """The heal text in sequences of --heal-seq-len tokens, and what it is: the --heal-data files,
+    else the calibration text (without its held-out window)."""
+    from optimizer import data
+    s = job.cfg.heal
+    if s.data:
+        text = "\n\n".join(read_heal_file(p, job.tok) for p in s.data)
+        windows = data.token_windows(job.tok, text, s.seq_len)
+        return windows, "files " + ", ".join(str(p) for p in s.data)
+    train = job.calib.train
+    seq = s.seq_len if train.shape[1] % s.seq_len == 0 else train.shape[1]
+    return train.reshape(-1, seq), f"the calibration text ({job.calib.text.description})"
+
+
+def read_heal_file(path: str, tok) -> str:
+    """Plain text, or JSONL whose records carry `text` or chat `messages` (rendered with the
+    model's chat template)."""
+    import json
+
+    from optimizer import data
+    from optimizer.errors import UserError
+    raw = data.read_text_file(path, "heal data file").text
+    if not str(path).endswith(".jsonl"):
+        return raw
+    pieces = []
+    for i, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            raise UserError(f"heal data file {path}: line {i} is not JSON") from None
+        if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+            pieces.append(rec["text"])
+        elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+            if not getattr(tok, "chat_template", None):
+                raise UserError(f"heal data file {path}: chat `messages`, but the model has no chat template")
+            pieces.append(tok.apply_chat_template(rec["messages"], tokenize=False))
+        else:
+            raise UserError(f"heal data file {path}: line {i} has neither a `text` string nor `messages`")
+    if not pieces:
+        raise UserError(f"heal data file {path}: no records")
+    return "\n\n".join(pieces)
+
+
+def eval_overlap(heal_text: str, eval_text: str, min_chars: int = 40) -> float:
+    """The fraction of the evaluation text's lines (of at least `min_chars`) that the heal text
+    contains: training on them would make the reported perplexity a memory test."""
+    lines = {ln.strip() for ln in eval_text.splitlines() if len(ln.strip()) >= min_chars}
+    if not lines:
+        return 0.0
+    heal_lines = {ln.strip() for ln in heal_text.splitlines()}
+    return len(lines & heal_lines) / len(lines)
+
+
+@torch.no_grad()
+def chat_check(teacher, student, tok, max_new_tokens: int = 32) -> list[dict]:
+    """Greedy answers to a few short instructions, dense beside healed (empty without a chat template)."""
+    if not getattr(tok, "chat_template", None):
+        return []
+    out = []
+    for prompt in CHAT_PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        answers = {}
+        for name, m in (("dense", teacher), ("healed", student)):
+            gen = m.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+            answers[name] = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        out.append({"prompt": prompt, **answers})
+    return out

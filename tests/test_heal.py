@@ -1,0 +1,155 @@
+"""Healing: distillation of the pruned student from the dense teacher (optimizer/heal.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+from optimizer import budget
+from optimizer.adapters import get_adapter
+from optimizer.heal import Distillation, HealConfig, kd_eval, kd_loss_backward, zero_masks
+from optimizer.methods.activation import ActivationImportance
+from optimizer.sequential import prune_blockwise
+from optimizer.methods.magnitude import Magnitude
+from optimizer.sparsity import parse
+from optimizer.surgery import prune
+from tests.conftest import tiny_model
+
+
+def _data(model, n=8, seq=32, seed=0):
+    return torch.randint(0, model.config.vocab_size, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _pruned(teacher, retain=0.6):
+    adapter = get_adapter(teacher.config)
+    imp = ActivationImportance(teacher, adapter)
+    imp.observe(_data(teacher, 4))
+    imp.close()
+    shape = budget.uniform_candidates(adapter, teacher.config, retain)[0]
+    return prune(teacher, adapter, imp.decide(shape))
+
+
+def test_the_chunked_kl_is_the_kl_and_its_gradient():
+    teacher = tiny_model("llama")
+    student = _pruned(teacher)
+    ids = _data(teacher, 1, 40)
+    for p in student.parameters():
+        p.requires_grad_(True)
+    kl = kd_loss_backward(student, teacher, ids, chunk=7)
+    chunked = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+    student.zero_grad()
+    with torch.no_grad():
+        t = F.log_softmax(teacher(ids).logits.float(), -1)
+    s = F.log_softmax(student(ids).logits.float(), -1)
+    whole = F.kl_div(s.flatten(0, 1), t.flatten(0, 1), log_target=True, reduction="batchmean")
+    whole.backward()
+    assert kl == pytest.approx(whole.item(), rel=1e-5)
+    for n, g in chunked.items():
+        torch.testing.assert_close(g, dict(student.named_parameters())[n].grad, atol=1e-6, rtol=1e-4)
+
+
+def test_healing_lowers_the_kd_loss_on_held_out_text_and_leaves_the_teacher_and_the_head_alone():
+    teacher = tiny_model("llama")
+    student = _pruned(teacher)
+    before_teacher = copy.deepcopy(teacher.state_dict())
+    head = student.get_output_embeddings().weight.detach().clone()
+    # repeated text: held-out windows share its statistics, as real text does
+    train = _data(teacher, 4, 64).repeat(4, 1)
+    held_out = train[:2, :48].clone()
+    start = kd_eval(student, teacher, held_out)
+    distil = Distillation(student, teacher, HealConfig(steps=12, lr=3e-3, lr_end=3e-4))
+    for i in range(12):
+        distil.step(train[i % len(train)][None])
+    distil.close()
+    assert kd_eval(student, teacher, held_out) < 0.7 * start
+    assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in before_teacher.items())
+    assert torch.equal(student.get_output_embeddings().weight, head)  # tied embedding frozen
+    assert student.get_output_embeddings().weight is student.get_input_embeddings().weight
+
+
+def test_semi_structured_zeros_stay_zero_bit_for_bit():
+    teacher = tiny_model("llama")
+    student = copy.deepcopy(teacher)
+    adapter = get_adapter(student.config)
+    prune_blockwise(student, adapter, _data(teacher, 2), Magnitude, parse("2:4"))
+    keep = zero_masks(student, adapter)
+    assert len(keep) == 2 * 7  # every Linear of both blocks
+    zeros = {n: (p == 0) for n, p in student.named_parameters() if n in keep}
+    distil = Distillation(student, teacher, HealConfig(steps=5, lr=1e-2), keep)
+    start = {n: p.detach().clone() for n, p in student.named_parameters()}
+    for i in range(5):
+        distil.step(_data(teacher, 2, 32, seed=i))
+    params = dict(student.named_parameters())
+    for n, z in zeros.items():
+        assert (params[n][z] == 0).all() and not torch.equal(params[n], start[n])
+        assert parse("2:4").complies(params[n].detach().to(torch.bfloat16))
+
+
+def test_resume_continues_the_same_run(tmp_path):
+    teacher = tiny_model("llama")
+    data = _data(teacher, 8, 32)
+    cfg = HealConfig(steps=4, lr=1e-2)
+
+    def run(steps, student, resume_from=None):
+        d = Distillation(student, teacher, cfg)
+        if resume_from is not None:
+            assert d.load(resume_from)
+        while d.step_count < steps:
+            d.step(data[2 * d.step_count: 2 * d.step_count + 2])
+        return d
+
+    straight = run(4, _pruned(teacher))
+    first = run(2, _pruned(teacher))
+    first.save(tmp_path / "heal.pt")
+    resumed = run(4, _pruned(teacher), resume_from=tmp_path / "heal.pt")
+    for (n, a), b in zip(straight.params.items(), resumed.params.values()):
+        assert torch.equal(a, b), n
+    other = Distillation(_pruned(tiny_model("llama", seed=1)), teacher, cfg)
+    assert not other.load(tmp_path / "heal.pt")  # another student: not this run's checkpoint
+
+
+def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
+    from optimizer.cli import optimize
+    other = tmp_path / "heal.txt"
+    other.write_text(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)))
+    out = tmp_path / "pkg"
+    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
+                                      "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
+                                      "--heal-data", str(other), "--heal-tokens", "8192", "--seq-len", "128",
+                                      "--calib-windows", "2", "--eval-windows", "1", "-o", str(out)],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    h = m["heal"]
+    assert h["tokens"] == 8192 and h["steps"] == 2 and h["data"].startswith("files ")
+    assert "perplexity" in h["before"] and h["before"]["perplexity"] != m["quality"]["perplexity"]["pruned"]
+    assert h["memory_bytes"]["adam"] == 2 * h["memory_bytes"]["weights"]
+    assert "## Healing" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--heal-tokens", "-5"], "--heal-tokens must be >= 0"),
+    (["--heal-tokens", "100"], "less than one step"),
+    (["--heal-tokens", "8192", "--heal-time", "0"], "--heal-time"),
+    (["--heal-tokens", "8192", "--heal-data", "/no/such/file.txt"], "no such file"),
+])
+def test_bad_heal_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, args, message):
+    from optimizer.cli import optimize
+    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
+                                      "-o", str(tmp_path / "pkg"), *args])
+    assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_heal_data_holding_the_evaluation_text_is_refused(tiny_dirs, text_file, tmp_path):
+    from optimizer.cli import optimize
+    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
+                                      "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
+                                      "--heal-tokens", "8192", "-o", str(tmp_path / "pkg")])
+    assert r.exit_code == 2 and "memory test" in r.output
+    assert list(tmp_path.iterdir()) == []
