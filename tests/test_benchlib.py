@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +15,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-import benchlib  # noqa: E402
+# Loaded from its file, not by putting bench/ on sys.path: there bench/onnx.py would shadow the
+# onnx package for every test after this one.
+_spec = importlib.util.spec_from_file_location("benchlib", ROOT / "bench" / "benchlib.py")
+benchlib = importlib.util.module_from_spec(_spec)
+sys.modules["benchlib"] = benchlib
+_spec.loader.exec_module(benchlib)
 
 
 # --- run folders ---------------------------------------------------------------------------------
