@@ -13,6 +13,11 @@ fp32 logits per 2048 tokens), and the student's gradient flows back through the 
 state once.
 
 Observe = `step(batch)`; it is a `TrainedMethod`, so the job's loop checkpoints and resumes it.
+
+Several processes (`torch.distributed`, any backend: NCCL on GPUs, gloo on CPUs) train data
+parallel: every rank holds the student and the teacher, takes its share of each step's batch
+(sequences rank, rank + world, ...), and the gradients are summed across ranks before the step,
+so every rank takes the same step as one process with the whole batch would.
 """
 
 from __future__ import annotations
@@ -66,10 +71,13 @@ class Distillation(TrainedMethod):
 
     def step(self, input_ids: torch.Tensor) -> dict:
         self.opt.zero_grad(set_to_none=True)
+        rank, world = _rank_world()
         kd = 0.0
-        for seq in input_ids.split(1):  # one sequence's activations at a time; the batch's gradient
+        for seq in input_ids[rank::world].split(1):  # one sequence's activations at a time
             kd += kd_loss_backward(self.student, self.teacher, seq, self.cfg.kl_chunk, self.cfg.dtype,
                                    scale=1 / len(input_ids))
+        if world > 1:
+            kd = _sum_across_ranks(list(self.params.values()), kd)
         norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.grad_clip)
         lr = self.lr()
         for group in self.opt.param_groups:
@@ -109,6 +117,27 @@ class Distillation(TrainedMethod):
         trainable = sum(p.numel() * p.element_size() for p in self.params.values())
         return {"trainable_params": sum(p.numel() for p in self.params.values()),
                 "weights": trainable, "grads": trainable, "adam": 2 * trainable}
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _sum_across_ranks(params: list[torch.Tensor], kd: float) -> float:
+    """All-reduce (sum) every gradient, in one flat buffer, and the loss: each rank's share was
+    scaled by 1 / the whole batch, so the sums are the batch's mean."""
+    import torch.distributed as dist
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads] + [torch.tensor([kd], dtype=grads[0].dtype)])
+    dist.all_reduce(flat)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+        offset += g.numel()
+    return float(flat[-1])
 
 
 def kd_loss_backward(student, teacher, input_ids: torch.Tensor, chunk: int, dtype: str = "float32",

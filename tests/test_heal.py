@@ -153,3 +153,31 @@ def test_heal_data_holding_the_evaluation_text_is_refused(tiny_dirs, text_file, 
                                       "--heal-tokens", "8192", "-o", str(tmp_path / "pkg")])
     assert r.exit_code == 2 and "memory test" in r.output
     assert list(tmp_path.iterdir()) == []
+
+
+def _heal_three_steps(rank: int, world: int, init: str, out: str) -> None:
+    """One rank of a data-parallel heal (gloo on CPU); world 1 is the single process."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    teacher = tiny_model("llama")
+    student = _pruned(teacher)
+    distil = Distillation(student, teacher, HealConfig(steps=3, lr=1e-2))
+    data = _data(teacher, 12, 32)
+    losses = [distil.step(data[4 * i: 4 * i + 4])["kd"] for i in range(3)]
+    if rank == 0:
+        torch.save({"losses": losses, "params": {n: p.detach() for n, p in distil.params.items()}}, out)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_heal_as_one(tmp_path):
+    """Data parallel through torch.distributed: each rank takes half the batch, gradients summed."""
+    import torch.multiprocessing as mp
+    _heal_three_steps(0, 1, "", str(tmp_path / "one.pt"))
+    mp.spawn(_heal_three_steps, args=(2, f"file://{tmp_path / 'store'}", str(tmp_path / "two.pt")), nprocs=2)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    for n, p in one["params"].items():
+        torch.testing.assert_close(two["params"][n], p, atol=1e-5, rtol=1e-4)
