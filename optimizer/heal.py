@@ -75,7 +75,7 @@ class Distillation(TrainedMethod):
         kd = 0.0
         for seq in input_ids[rank::world].split(1):  # one sequence's activations at a time
             kd += kd_loss_backward(self.student, self.teacher, seq, self.cfg.kl_chunk, self.cfg.dtype,
-                                   scale=1 / len(input_ids))
+                                   scale=1 / len(input_ids)) / len(input_ids)
         if world > 1:
             kd = _sum_across_ranks(list(self.params.values()), kd)
         norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.grad_clip)

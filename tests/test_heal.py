@@ -53,6 +53,14 @@ def test_the_chunked_kl_is_the_kl_and_its_gradient():
         torch.testing.assert_close(g, dict(student.named_parameters())[n].grad, atol=1e-6, rtol=1e-4)
 
 
+def test_a_steps_kd_is_the_batchs_mean_kl():
+    teacher = tiny_model("llama")
+    student = _pruned(teacher)
+    batch = _data(teacher, 3, 32)
+    expected = kd_eval(student, teacher, batch)
+    assert Distillation(student, teacher, HealConfig(steps=1)).step(batch)["kd"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_healing_lowers_the_kd_loss_on_held_out_text_and_leaves_the_teacher_and_the_head_alone():
     teacher = tiny_model("llama")
     student = _pruned(teacher)

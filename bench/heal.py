@@ -1,0 +1,188 @@
+"""Heal: what distillation after pruning buys, per method and budget (issue 25's evidence).
+
+For every --methods entry at every --retain level (structured) or its pattern (2:4 methods),
+and every --heal-tokens budget (0 = the unhealed package), one `optimize` run on the embedded
+SmolLM2-135M; then, per package: perplexity on WikiText-2 test (16 × 2048, as the README's
+tables) and on exllamav2's c4 sample (neither trained on nor Wikipedia), each with its ratio to
+the dense model, and the zero-shot mean of ARC-Easy, PIQA and HellaSwag (`--zeroshot-limit`
+seeded documents each, `--zeroshot-seed`). The stages' wall times come from the manifests.
+
+    python bench/heal.py --methods activation --retain 0.7 --heal-tokens 0 98304 196608
+
+Honest selection (issue 25): choose heal settings with --heal-data on text that is not WikiText
+and --zeroshot-seed other than the reported one; report the targets once from the default
+command. Writes heal.json, heal.md and heal.png into a new run folder (benchlib.run_dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import benchlib
+
+TASKS = ["arc_easy", "piqa", "hellaswag"]
+STRUCTURED = {"activation", "ddp"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs="+", default=["activation"],
+                    help="activation | ddp | ddp:per-layer | sparsegpt | roi (2:4)")
+    ap.add_argument("--retain", type=float, nargs="+", default=[0.7])
+    ap.add_argument("--heal-tokens", type=int, nargs="+", default=[0, 98304])
+    ap.add_argument("--heal-data", nargs="*", default=None, help="heal text (default: the calibration text)")
+    ap.add_argument("--calib", help="calibration text (default: the built-in corpus)")
+    ap.add_argument("--calib-windows", type=int, default=16)
+    ap.add_argument("--eval-windows", type=int, default=16)
+    ap.add_argument("--zeroshot-limit", type=int, default=500, help="documents per task; 0: no zero-shot")
+    ap.add_argument("--zeroshot-seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--data", default=str(benchlib.DATA))
+    ap.add_argument("--out", help="run folder (default: a new bench/results/heal/DATE-COMMIT)")
+    args = ap.parse_args()
+
+    import torch
+
+    from optimizer import data, evaluate, load
+    from optimizer.pipeline import DataConfig, DDPSettings, HealSettings, OptimizeConfig, optimize
+    torch.set_num_threads(args.threads)
+    out = benchlib.run_dir("heal", args.out)
+    path = out / "heal.json"
+    test_file = benchlib.data_file("test", Path(args.data))
+    c4_file = _c4_file()
+    protocol = {"methods": args.methods, "retain": args.retain, "heal_tokens": args.heal_tokens,
+                "heal_data": args.heal_data, "calib": args.calib, "calib_windows": args.calib_windows,
+                "eval": str(test_file), "eval_windows": args.eval_windows, "c4": str(c4_file),
+                "zeroshot": {"tasks": TASKS, "limit": args.zeroshot_limit, "seed": args.zeroshot_seed},
+                "threads": args.threads, **benchlib.run_info()}
+    benchlib.update_result(path, {"protocol": protocol, "runs": {}})
+
+    source = load.resolve(None)
+    dense, tok = load.load_model(source)
+    c4 = data.token_windows(tok, data.read_text_file(c4_file, "c4 sample").text, 2048, args.eval_windows)
+    test = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=Path(args.data))
+    if "dense" not in benchlib.read_result(path, {}):
+        row = {"wikitext2": evaluate.perplexity(dense, test, "dense: WikiText-2"),
+               "c4": evaluate.perplexity(dense, c4, "dense: c4")}
+        if args.zeroshot_limit:
+            row["zeroshot"] = _zeroshot(dense, tok, args)
+        benchlib.update_result(path, {"dense": row})
+    del dense
+
+    for spec in args.methods:
+        method, _, layout = spec.partition(":")
+        levels = args.retain if method in STRUCTURED else [None]
+        for retain in levels:
+            for tokens in args.heal_tokens:
+                name = f"{spec}-r{retain:.2f}-h{tokens}" if retain else f"{spec}-2of4-h{tokens}"
+                if name in benchlib.read_result(path)["runs"]:
+                    continue
+                pkg = benchlib.ROOT / "out" / "heal" / out.name / name
+                shutil.rmtree(pkg, ignore_errors=True)
+                t0 = time.time()
+                cfg = OptimizeConfig(
+                    target="a100" if method in STRUCTURED else "h100", method=method,
+                    engine_version=None if method in STRUCTURED else "0.18.0", sparsity="2:4",
+                    retain=retain or 0.7, layout=layout or "uniform", out=str(pkg), threads=args.threads,
+                    data=DataConfig(calib=args.calib, eval=str(test_file), calib_windows=args.calib_windows,
+                                    eval_windows=args.eval_windows),
+                    ddp=DDPSettings(), heal=HealSettings(tokens=tokens, data=args.heal_data))
+                m = optimize(cfg, log=lambda *a: print(*a, flush=True))["manifest"]
+                model, _ = load.load_model(load.resolve(str(pkg)))
+                row = {"method": spec, "retain": retain, "heal_tokens": tokens, "package": str(pkg),
+                       "wikitext2": m["quality"]["perplexity"]["pruned"],
+                       "c4": evaluate.perplexity(model, c4, f"{name}: c4"),
+                       "optimize_wall_s": round(time.time() - t0, 1),
+                       "method_wall_s": _method_wall(m), "heal": _heal_summary(m)}
+                if args.zeroshot_limit:
+                    row["zeroshot"] = _zeroshot(model, tok, args)
+                benchlib.update_result(path, {"runs": {name: row}})
+                del model
+    result = benchlib.read_result(path)
+    benchlib.write_markdown(out / "heal.md", markdown(result))
+    plot(result, out / "heal.png")
+    print(markdown(result))
+
+
+def _c4_file() -> Path:
+    import importlib.util
+    spec = importlib.util.find_spec("exllamav2")
+    return Path(list(spec.submodule_search_locations)[0]) / "conversion" / "standard_cal_data" / "c4.utf8"
+
+
+def _zeroshot(model, tok, args) -> dict:
+    from optimizer import zeroshot
+    r = zeroshot.evaluate(model, tok, TASKS, args.zeroshot_limit, args.zeroshot_seed)
+    return {"mean": r["mean"], "tasks": {t: r["tasks"][t]["score"] for t in TASKS}}
+
+
+def _method_wall(m: dict) -> float | None:
+    meth = m["method"]
+    for key in ("ddp", "roi"):
+        if key in meth:
+            return meth[key]["wall_s"]
+    return meth.get("wall_s")
+
+
+def _heal_summary(m: dict) -> dict | None:
+    h = m.get("heal")
+    if not h:
+        return None
+    return {k: h[k] for k in ("tokens", "steps", "wall_s", "peak_rss_gib", "before", "after", "data")}
+
+
+def markdown(r: dict) -> str:
+    d, p = r["dense"], r["protocol"]
+    rows = [["dense", "—", "—", f"{d['wikitext2']:.2f}", "1.00", f"{d['c4']:.2f}", "1.00",
+             f"{d['zeroshot']['mean']:.3f}" if "zeroshot" in d else "—", "—", "—"]]
+    for name, x in r["runs"].items():
+        h = x.get("heal") or {}
+        rows.append([x["method"], "2:4" if x["retain"] is None else f"{x['retain']:.2f}", f"{x['heal_tokens']:,}",
+                     f"{x['wikitext2']:.2f}", f"{x['wikitext2'] / d['wikitext2']:.2f}",
+                     f"{x['c4']:.2f}", f"{x['c4'] / d['c4']:.2f}",
+                     f"{x['zeroshot']['mean']:.3f}" if "zeroshot" in x else "—",
+                     f"{x['method_wall_s'] or 0:.0f}", f"{h.get('wall_s', 0):.0f}"])
+    header = ["method", "retain", "heal tokens", "WikiText-2 PPL", "× dense", "c4 PPL", "× dense",
+              "zero-shot mean", "method s", "heal s"]
+    return (f"# Heal on SmolLM2-135M\n\nPerplexity on {p['eval_windows']} × 2048 tokens of WikiText-2 test and of "
+            f"exllamav2's c4 sample; zero-shot mean of {', '.join(TASKS)} ({p['zeroshot']['limit']} documents each, "
+            f"seed {p['zeroshot']['seed']}); heal data: {p['heal_data'] or 'the calibration text'}; "
+            f"{p['threads']} threads.\n\n" + benchlib.markdown_table(header, rows, align="lllrrrrrrr") + "\n")
+
+
+def plot(r: dict, path: Path) -> None:
+    """The recovery curve: each metric's ratio to dense against heal tokens, one line per method."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    d = r["dense"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    series = {}
+    for x in r["runs"].values():
+        key = f"{x['method']} {'2:4' if x['retain'] is None else x['retain']}"
+        series.setdefault(key, []).append(x)
+    for key, xs in series.items():
+        xs = sorted(xs, key=lambda x: x["heal_tokens"])
+        t = [x["heal_tokens"] for x in xs]
+        axes[0].plot(t, [x["wikitext2"] / d["wikitext2"] for x in xs], "o-", label=key)
+        axes[1].plot(t, [x["c4"] / d["c4"] for x in xs], "o-", label=key)
+        if all("zeroshot" in x for x in xs) and "zeroshot" in d:
+            axes[2].plot(t, [x["zeroshot"]["mean"] for x in xs], "o-", label=key)
+    if "zeroshot" in d:
+        axes[2].axhline(d["zeroshot"]["mean"], color="k", ls="--", lw=1, label="dense")
+    for ax, title in zip(axes, ("WikiText-2 PPL / dense", "c4 PPL / dense", "zero-shot mean")):
+        ax.set_title(title)
+        ax.set_xlabel("heal tokens")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
