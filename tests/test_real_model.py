@@ -43,7 +43,10 @@ def test_real_package(real_package, real_model_dir):
     assert m["method"]["calibration"]["source"].startswith("built-in corpus")
     assert m["method"]["retain_achieved"] <= 0.5
     q = m["quality"]["perplexity"]
-    assert 5 < q["dense"] < q["pruned"] < 10 * q["dense"] * 50  # pruned is worse, and not broken
+    # pruned is worse, and not broken: at retain 0.5 after 8 DDP steps it is 11.0× the dense model's
+    # (the one-shot baseline: 11.9× on WikiText-2); a wrong head layout or scale folding lands in
+    # the hundreds
+    assert 5 < q["dense"] < q["pruned"] < 20 * q["dense"]
     assert m["size"]["ideal_ratio"] > 1.3
     # the package is a plain HF checkpoint: transformers loads it and it writes English
     model = AutoModelForCausalLM.from_pretrained(real_package).eval()
