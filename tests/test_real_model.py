@@ -48,6 +48,9 @@ def test_real_package(real_package, real_model_dir):
     # the hundreds
     assert 5 < q["dense"] < q["pruned"] < 20 * q["dense"]
     assert m["size"]["ideal_ratio"] > 1.3
+    h = m["heal"]  # one heal step: the path, not the recovery (bench/heal.py measures that)
+    assert h["tokens"] == 2048 and h["before"]["perplexity"] > 0 and len(h["chat"]) == 3
+    assert all(c["dense"] for c in h["chat"])  # the Instruct model answers its chat template
     # the package is a plain HF checkpoint: transformers loads it and it writes English
     model = AutoModelForCausalLM.from_pretrained(real_package).eval()
     tok = AutoTokenizer.from_pretrained(real_package)
