@@ -85,12 +85,15 @@ def one_line_errors(fn):
               help="Heal on this text file, or JSONL with a `text` field or chat `messages` (repeatable; "
                    "default: the calibration text). It must not hold the evaluation text.")
 @click.option("--heal-lr", default=1e-4, show_default=True, help="Heal: AdamW's peak learning rate (a cosine to a tenth).")
+@click.option("--heal-chat", default=0, show_default=True,
+              help="Heal: mix in this many chat answers the dense model writes to built-in instructions "
+                   "(a quarter of the heal sequences), so an Instruct model keeps its chat behaviour.")
 @click.option("--no-heal", is_flag=True, help="Do not heal, whatever --heal-tokens says.")
 @one_line_errors
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads, budget, layout, steps, ddp_batch, ddp_seq_len, ddp_lr, ddp_lr_end,
              ddp_beta, resume, si_steps, roi_steps, roi_seq_len, roi_prior, calib_dtype, refit, refit_damp,
-             heal_tokens, heal_time, heal_data, heal_lr, no_heal):
+             heal_tokens, heal_time, heal_data, heal_lr, heal_chat, no_heal):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
@@ -111,7 +114,7 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
                        roi=RoISettings(steps=roi_steps, seq_len=roi_seq_len, prior=roi_prior),
                        si=SISettings(steps=si_steps),
                        heal=HealSettings(tokens=0 if no_heal else heal_tokens, time_s=heal_time,
-                                         data=list(heal_data) or None, lr=heal_lr)),
+                                         data=list(heal_data) or None, lr=heal_lr, chat=heal_chat)),
         dry_run=dry_run)
 
 

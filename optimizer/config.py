@@ -76,6 +76,7 @@ class HealSettings:
     lr: float = 1e-4                  # AdamW, linear warm-up then a cosine to lr / 10
     seq_len: int = 1024               # tokens a sequence (the whole window where it does not divide)
     batch: int = 4                    # sequences a step
+    chat: int = 0                     # chat answers the dense model writes to mix in (Instruct models)
 
 
 @dataclass
@@ -141,8 +142,9 @@ def validate(cfg: OptimizeConfig) -> None:
         if cfg.refit is not None:
             raise UserError("--refit applies to structured methods (removed heads and channels), not semi-structured ones")
     h = cfg.heal
-    if h.tokens < 0 or (h.time_s is not None and h.time_s <= 0) or h.lr <= 0 or h.seq_len < 16 or h.batch < 1:
-        raise UserError("--heal-tokens must be >= 0, --heal-time and the heal learning rate > 0, "
+    if (h.tokens < 0 or (h.time_s is not None and h.time_s <= 0) or h.lr <= 0 or h.seq_len < 16 or h.batch < 1
+            or h.chat < 0):
+        raise UserError("--heal-tokens and --heal-chat must be >= 0, --heal-time and the heal learning rate > 0, "
                         "its sequence length >= 16 and batch >= 1")
     if 0 < h.tokens < h.batch * h.seq_len:
         raise UserError(f"--heal-tokens {h.tokens} is less than one step of {h.batch} × {h.seq_len} tokens")

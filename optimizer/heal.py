@@ -206,6 +206,27 @@ def digest(params: dict[str, torch.Tensor]) -> str:
 CHAT_PROMPTS = ("What is the capital of France?", "Give me three tips for staying healthy.",
                 "Write one sentence about the sea.")
 
+# Instructions the teacher answers itself (`--heal-chat`), so that an Instruct model heals on
+# its own chat behaviour and not only on prose. Generic, written for this tool: no evaluation
+# task's questions, and none of CHAT_PROMPTS (the report's check stays unseen).
+INSTRUCTIONS = (
+    "Explain what a rainbow is to a child.", "Write a short poem about autumn leaves.",
+    "How do I boil an egg?", "What are the benefits of reading books?", "Describe a cat in three sentences.",
+    "Give me a recipe for a simple salad.", "What is photosynthesis?", "Write a haiku about the moon.",
+    "How can I improve my sleep?", "Summarize the plot of Cinderella.", "What is the difference between weather and climate?",
+    "Write a polite email asking for a meeting.", "List five fruits that are red.", "Why is the sky blue?",
+    "How does a bicycle work?", "Give me advice for a job interview.", "What is a prime number?",
+    "Write a Python function that reverses a string.", "Explain gravity in simple words.",
+    "What should I pack for a weekend trip?", "Tell me a fun fact about octopuses.", "How do plants drink water?",
+    "Write a short story about a lost key.", "What is the water cycle?", "How do I make my handwriting neater?",
+    "Describe the taste of chocolate.", "What are the planets of the solar system?", "How do vaccines work?",
+    "Give three reasons to learn a second language.", "Write a thank-you note to a teacher.",
+    "What is the tallest mountain on Earth?", "How can I save money every month?", "Explain what a computer does.",
+    "What is 15 multiplied by 4? Explain the steps.", "Describe a busy train station.",
+    "How do bees make honey?", "Write two sentences about friendship.", "What causes the seasons?",
+    "How do I take care of a houseplant?", "What is the purpose of a museum?",
+)
+
 
 def heal(job, model):
     """The heal stage (job.Job.run): distil `model` (the deployable student) from `job.teacher`
@@ -251,16 +272,26 @@ def heal(job, model):
 
 def heal_chunks(job) -> tuple[torch.Tensor, str]:
     """The heal text in sequences of --heal-seq-len tokens, and what it is: the --heal-data files,
-    else the calibration text (without its held-out window)."""
+    else the calibration text (without its held-out window); with --heal-chat, a quarter of the
+    sequences are the teacher's own chat answers (repeated as needed)."""
     from optimizer import data
     s = job.cfg.heal
     if s.data:
         text = "\n\n".join(read_heal_file(p, job.tok) for p in s.data)
-        windows = data.token_windows(job.tok, text, s.seq_len)
-        return windows, "files " + ", ".join(str(p) for p in s.data)
-    train = job.calib.train
-    seq = s.seq_len if train.shape[1] % s.seq_len == 0 else train.shape[1]
-    return train.reshape(-1, seq), f"the calibration text ({job.calib.text.description})"
+        chunks, what = data.token_windows(job.tok, text, s.seq_len), "files " + ", ".join(str(p) for p in s.data)
+    else:
+        train = job.calib.train
+        seq = s.seq_len if train.shape[1] % s.seq_len == 0 else train.shape[1]
+        chunks, what = train.reshape(-1, seq), f"the calibration text ({job.calib.text.description})"
+    if not s.chat:
+        return chunks, what
+    if job.heal_chat is None:
+        job.heal_chat = teacher_chat(job.teacher, job.tok, s.chat, job.cfg.seed)
+    chat = data.token_windows(job.tok, job.heal_chat, chunks.shape[1])
+    repeat = max(1, round(len(chunks) / 3 / len(chat)))  # chat : rest = 1 : 3
+    mixed = torch.cat([chunks, chat.repeat(repeat, 1)])
+    return mixed, (f"{what}, and {s.chat} chat answers the dense model wrote ({len(chat)} sequences, "
+                   f"{repeat}× each: {len(chat) * repeat} of {len(mixed)})")
 
 
 def read_heal_file(path: str, tok) -> str:
@@ -302,6 +333,35 @@ def eval_overlap(heal_text: str, eval_text: str, min_chars: int = 40) -> float:
         return 0.0
     heal_lines = {ln.strip() for ln in heal_text.splitlines()}
     return len(lines & heal_lines) / len(lines)
+
+
+@torch.no_grad()
+def teacher_chat(teacher, tok, n: int, seed: int, max_new_tokens: int = 160, batch: int = 8) -> str:
+    """`n` chat turns: built-in instructions (cycled) and the teacher's sampled answers, rendered
+    with the chat template, as one text."""
+    if not getattr(tok, "chat_template", None):
+        from optimizer.errors import UserError
+        raise UserError("--heal-chat needs a model with a chat template")
+    from tqdm import tqdm
+    gen = torch.Generator().manual_seed(seed)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    turns = []
+    prompts = [INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(n)]
+    for i in tqdm(range(0, n, batch), desc="teacher's chat answers", unit="batch"):
+        rendered = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            tokenize=False) for p in prompts[i:i + batch]]
+        ids = [tok(r, add_special_tokens=False).input_ids for r in rendered]
+        width = max(len(x) for x in ids)
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        out = teacher.generate(input_ids, attention_mask=mask, do_sample=True, temperature=0.7, top_p=0.9,
+                               max_new_tokens=max_new_tokens, pad_token_id=pad)
+        for p, row in zip(prompts[i:i + batch], out[:, width:]):
+            answer = tok.decode(row, skip_special_tokens=True).strip()
+            turns.append(tok.apply_chat_template([{"role": "user", "content": p},
+                                                  {"role": "assistant", "content": answer}], tokenize=False))
+    return "\n".join(turns)
 
 
 @torch.no_grad()

@@ -108,6 +108,7 @@ class Job:
     dense_ppl: float | None = None
     teacher: torch.nn.Module | None = None   # the dense model healing distils from
     heal_detail: dict | None = None
+    heal_chat: str | None = None             # the teacher's chat answers (--heal-chat), written once
 
     # --- the skeleton ------------------------------------------------------------------------
     def run(self, kind) -> dict:
@@ -116,9 +117,9 @@ class Job:
         self.evaluate_dense()          # before any method: semi-structured ones edit in place
         heal = self.cfg.heal.tokens > 0
         if heal:
-            self.check_heal_data()
             # the teacher is the dense model: a copy where the method edits job.model in place
             self.teacher = copy.deepcopy(self.model) if kind.edits_in_place else self.model
+            self.check_heal_data()
         decision = kind.method(self)
         model = kind.surgery(self, decision)
         if heal:

@@ -189,3 +189,13 @@ def test_two_gloo_processes_heal_as_one(tmp_path):
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
     for n, p in one["params"].items():
         torch.testing.assert_close(two["params"][n], p, atol=1e-5, rtol=1e-4)
+
+
+def test_the_teachers_chat_answers_are_rendered_turns_of_built_in_instructions(tokenizer):
+    from optimizer.heal import CHAT_PROMPTS, INSTRUCTIONS, teacher_chat
+    teacher = tiny_model("llama", vocab_size=len(tokenizer))
+    text = teacher_chat(teacher, tokenizer, 3, seed=0, max_new_tokens=4, batch=2)
+    assert text.count("<|im_start|>user") == 3 and text.count("<|im_start|>assistant") == 3
+    assert all(p in text for p in INSTRUCTIONS[:3])
+    assert not set(CHAT_PROMPTS) & set(INSTRUCTIONS)  # the report's check stays unseen
+    assert teacher_chat(teacher, tokenizer, 3, seed=0, max_new_tokens=4, batch=2) == text  # seeded
