@@ -141,7 +141,7 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--heal-tokens", "-5"], "--heal-tokens must be >= 0"),
+    (["--heal-tokens", "-5"], "--heal-tokens and --heal-chat must be >= 0"),
     (["--heal-tokens", "100"], "less than one step"),
     (["--heal-tokens", "8192", "--heal-time", "0"], "--heal-time"),
     (["--heal-tokens", "8192", "--heal-data", "/no/such/file.txt"], "no such file"),
