@@ -145,9 +145,10 @@ def markdown(r: dict) -> str:
                      f"{x['wikitext2']:.2f}", f"{x['wikitext2'] / d['wikitext2']:.2f}",
                      f"{x['c4']:.2f}", f"{x['c4'] / d['c4']:.2f}",
                      f"{x['zeroshot']['mean']:.3f}" if "zeroshot" in x else "—",
-                     f"{x['method_wall_s'] or 0:.0f}", f"{h.get('wall_s', 0):.0f}"])
+                     None if x["method_wall_s"] is None else f"{x['method_wall_s']:.0f}",
+                     f"{h['wall_s']:.0f}" if h else None])
     header = ["method", "retain", "heal tokens", "WikiText-2 PPL", "× dense", "c4 PPL", "× dense",
-              "zero-shot mean", "method s", "heal s"]
+              "zero-shot mean", "method s (DDP / RoI training, 2:4 pruning)", "heal s"]
     return (f"# Heal on SmolLM2-135M\n\nPerplexity on {p['eval_windows']} × 2048 tokens of WikiText-2 test and of "
             f"exllamav2's c4 sample; zero-shot mean of {', '.join(TASKS)} ({p['zeroshot']['limit']} documents each, "
             f"seed {p['zeroshot']['seed']}); heal data: {p['heal_data'] or 'the calibration text'}; "
