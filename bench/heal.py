@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--retain", type=float, nargs="+", default=[0.7])
     ap.add_argument("--heal-tokens", type=int, nargs="+", default=[0, 98304])
     ap.add_argument("--heal-data", nargs="*", default=None, help="heal text (default: the calibration text)")
+    ap.add_argument("--heal-chat", type=int, default=0, help="chat answers the dense model writes, mixed in")
     ap.add_argument("--calib", help="calibration text (default: the built-in corpus)")
     ap.add_argument("--calib-windows", type=int, default=16)
     ap.add_argument("--eval-windows", type=int, default=16)
@@ -55,7 +56,7 @@ def main() -> None:
     test_file = benchlib.data_file("test", Path(args.data))
     c4_file = _c4_file()
     protocol = {"methods": args.methods, "retain": args.retain, "heal_tokens": args.heal_tokens,
-                "heal_data": args.heal_data, "calib": args.calib, "calib_windows": args.calib_windows,
+                "heal_data": args.heal_data, "heal_chat": args.heal_chat, "calib": args.calib, "calib_windows": args.calib_windows,
                 "eval": str(test_file), "eval_windows": args.eval_windows, "c4": str(c4_file),
                 "zeroshot": {"tasks": TASKS, "limit": args.zeroshot_limit, "seed": args.zeroshot_seed},
                 "threads": args.threads, **benchlib.run_info()}
@@ -90,7 +91,7 @@ def main() -> None:
                     retain=retain or 0.7, layout=layout or "uniform", out=str(pkg), threads=args.threads,
                     data=DataConfig(calib=args.calib, eval=str(test_file), calib_windows=args.calib_windows,
                                     eval_windows=args.eval_windows),
-                    ddp=DDPSettings(), heal=HealSettings(tokens=tokens, data=args.heal_data))
+                    ddp=DDPSettings(), heal=HealSettings(tokens=tokens, data=args.heal_data, chat=args.heal_chat))
                 m = optimize(cfg, log=lambda *a: print(*a, flush=True))["manifest"]
                 model, _ = load.load_model(load.resolve(str(pkg)))
                 row = {"method": spec, "retain": retain, "heal_tokens": tokens, "package": str(pkg),
