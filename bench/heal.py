@@ -152,7 +152,8 @@ def markdown(r: dict) -> str:
               "zero-shot mean", "method s (DDP / RoI training, 2:4 pruning)", "heal s"]
     return (f"# Heal on SmolLM2-135M\n\nPerplexity on {p['eval_windows']} × 2048 tokens of WikiText-2 test and of "
             f"exllamav2's c4 sample; zero-shot mean of {', '.join(TASKS)} ({p['zeroshot']['limit']} documents each, "
-            f"seed {p['zeroshot']['seed']}); heal data: {p['heal_data'] or 'the calibration text'}; "
+            f"seed {p['zeroshot']['seed']}); heal data: {p['heal_data'] or 'the calibration text'}"
+            f"{', with %d chat answers the dense model wrote' % p['heal_chat'] if p.get('heal_chat') else ''}; "
             f"{p['threads']} threads.\n\n" + benchlib.markdown_table(header, rows, align="lllrrrrrrr") + "\n")
 
 
