@@ -238,7 +238,7 @@ def heal(job, model):
     from optimizer.methods.ddp import peak_rss_gib
     from optimizer.sequential import calibration_dtype
     s, cfg = job.cfg.heal, job.cfg
-    chunks, source = heal_chunks(job)
+    chunks, source = job.heal_data or heal_chunks(job)
     steps = s.tokens // (s.batch * s.seq_len)
     hcfg = HealConfig(steps=steps, lr=s.lr, seed=cfg.seed,
                       dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."))

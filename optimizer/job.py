@@ -109,6 +109,7 @@ class Job:
     teacher: torch.nn.Module | None = None   # the dense model healing distils from
     heal_detail: dict | None = None
     heal_chat: str | None = None             # the teacher's chat answers (--heal-chat), written once
+    heal_data: tuple | None = None           # (sequences, description), tokenized once by check_heal_data
 
     # --- the skeleton ------------------------------------------------------------------------
     def run(self, kind) -> dict:
@@ -179,7 +180,7 @@ class Job:
                             f"the reported perplexity a memory test: use other heal data or another --eval")
         if share > 0:
             self.log(f"warning: {what} contains {share:.1%} of the evaluation text's lines")
-        heal_chunks(self)  # too little text is a one-line error now, not after pruning
+        self.heal_data = heal_chunks(self)  # too little text is a one-line error now, not after pruning
 
     def quality(self, model) -> dict:
         """The manifest's perplexity entry: dense against the deployable model."""
