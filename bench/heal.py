@@ -35,7 +35,9 @@ def main() -> None:
     ap.add_argument("--retain", type=float, nargs="+", default=[0.7])
     ap.add_argument("--heal-tokens", type=int, nargs="+", default=[0, 98304])
     ap.add_argument("--heal-data", nargs="*", default=None, help="heal text (default: the calibration text)")
-    ap.add_argument("--heal-chat", type=int, default=0, help="chat answers the dense model writes, mixed in")
+    ap.add_argument("--heal-chat", type=int, default=None,
+                    help="chat answers the dense model writes, mixed in (default: the product's, 40 for an Instruct model)")
+    ap.add_argument("--heal-lr", type=float, default=None, help="heal's peak learning rate (default: the product's)")
     ap.add_argument("--calib", help="calibration text (default: the built-in corpus)")
     ap.add_argument("--calib-windows", type=int, default=16)
     ap.add_argument("--eval-windows", type=int, default=16)
@@ -56,7 +58,7 @@ def main() -> None:
     test_file = benchlib.data_file("test", Path(args.data))
     c4_file = _c4_file()
     protocol = {"methods": args.methods, "retain": args.retain, "heal_tokens": args.heal_tokens,
-                "heal_data": args.heal_data, "heal_chat": args.heal_chat, "calib": args.calib, "calib_windows": args.calib_windows,
+                "heal_data": args.heal_data, "heal_chat": args.heal_chat, "heal_lr": args.heal_lr, "calib": args.calib, "calib_windows": args.calib_windows,
                 "eval": str(test_file), "eval_windows": args.eval_windows, "c4": str(c4_file),
                 "zeroshot": {"tasks": TASKS, "limit": args.zeroshot_limit, "seed": args.zeroshot_seed},
                 "threads": args.threads, **benchlib.run_info()}
@@ -91,7 +93,8 @@ def main() -> None:
                     retain=retain or 0.7, layout=layout or "uniform", out=str(pkg), threads=args.threads,
                     data=DataConfig(calib=args.calib, eval=str(test_file), calib_windows=args.calib_windows,
                                     eval_windows=args.eval_windows),
-                    ddp=DDPSettings(), heal=HealSettings(tokens=tokens, data=args.heal_data, chat=args.heal_chat))
+                    ddp=DDPSettings(), heal=HealSettings(tokens=tokens, data=args.heal_data, chat=args.heal_chat,
+                                                      **({"lr": args.heal_lr} if args.heal_lr else {})))
                 m = optimize(cfg, log=lambda *a: print(*a, flush=True))["manifest"]
                 model, _ = load.load_model(load.resolve(str(pkg)))
                 row = {"method": spec, "retain": retain, "heal_tokens": tokens, "package": str(pkg),
@@ -152,9 +155,9 @@ def markdown(r: dict) -> str:
               "zero-shot mean", "method s (DDP / RoI training, 2:4 pruning)", "heal s"]
     return (f"# Heal on SmolLM2-135M\n\nPerplexity on {p['eval_windows']} × 2048 tokens of WikiText-2 test and of "
             f"exllamav2's c4 sample; zero-shot mean of {', '.join(TASKS)} ({p['zeroshot']['limit']} documents each, "
-            f"seed {p['zeroshot']['seed']}); heal data: {p['heal_data'] or 'the calibration text'}"
-            f"{', with %d chat answers the dense model wrote' % p['heal_chat'] if p.get('heal_chat') else ''}; "
-            f"{p['threads']} threads.\n\n" + benchlib.markdown_table(header, rows, align="lllrrrrrrr") + "\n")
+            f"seed {p['zeroshot']['seed']}); {p['threads']} threads.\n\n"
+            + benchlib.markdown_table(header, rows, align="lllrrrrrrr") + "\n\nHeal data: "
+            + "; ".join(sorted({x["heal"]["data"] for x in r["runs"].values() if x.get("heal")})) + "\n")
 
 
 def plot(r: dict, path: Path) -> None:

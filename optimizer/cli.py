@@ -32,7 +32,7 @@ def one_line_errors(fn):
 @click.option("--target", "-t", default="auto", show_default=True,
               help="Deployment target from `profiles` (a100, h100, l4, cpu, ...) or 'auto' to detect.")
 @click.option("--method", default="auto", show_default=True,
-              help="auto | structured | ddp (learned gates) | activation (one-shot baseline) | semi-structured | "
+              help="auto | structured (= activation, then heal) | activation (one-shot) | ddp (learned gates) | semi-structured | "
                    "magnitude | wanda | sparsegpt | si+magnitude | si+wanda | si+sparsegpt | roi (learned N:M)")
 @click.option("--sparsity", default="2:4", show_default=True,
               help="Semi-structured methods: N:M pattern (2:4, 4:8, 2:8) or an unstructured fraction (0.5).")
@@ -78,22 +78,26 @@ def one_line_errors(fn):
                    "calibration windows, so they make up for what was removed (weights change; same shapes).")
 @click.option("--refit-damp", default=0.1, show_default=True,
               help="--refit: the ridge toward the masked weights, times the Gram matrix's mean diagonal.")
-@click.option("--heal-tokens", default=0, show_default=True,
+@click.option("--heal-tokens", default=81_920, show_default=True,
               help="Heal after surgery: distil the pruned model from the dense one for this many tokens (0: no healing).")
 @click.option("--heal-time", type=float, help="Heal: stop training after this many seconds (checkpointed; the package is written).")
 @click.option("--heal-data", multiple=True, type=click.Path(),
               help="Heal on this text file, or JSONL with a `text` field or chat `messages` (repeatable; "
                    "default: the calibration text). It must not hold the evaluation text.")
-@click.option("--heal-lr", default=1e-4, show_default=True, help="Heal: AdamW's peak learning rate (a cosine to a tenth).")
-@click.option("--heal-chat", default=0, show_default=True,
+@click.option("--heal-lr", default=3e-4, show_default=True, help="Heal: AdamW's peak learning rate (a cosine to a tenth).")
+@click.option("--heal-chat", type=int,
               help="Heal: mix in this many chat answers the dense model writes to built-in instructions "
-                   "(a quarter of the heal sequences), so an Instruct model keeps its chat behaviour.")
+                   "(a quarter of the heal sequences), so an Instruct model keeps its chat behaviour "
+                   "(default: 40 where the model has a chat template, else 0).")
 @click.option("--no-heal", is_flag=True, help="Do not heal, whatever --heal-tokens says.")
+@click.option("--zeroshot", default=0, show_default=True,
+              help="Score this many documents of each zero-shot task (ARC-Easy, PIQA, HellaSwag; seed 1234): "
+                   "dense, before and after healing, in the report (minutes for 500).")
 @one_line_errors
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads, budget, layout, steps, ddp_batch, ddp_seq_len, ddp_lr, ddp_lr_end,
              ddp_beta, resume, si_steps, roi_steps, roi_seq_len, roi_prior, calib_dtype, refit, refit_damp,
-             heal_tokens, heal_time, heal_data, heal_lr, heal_chat, no_heal):
+             heal_tokens, heal_time, heal_data, heal_lr, heal_chat, no_heal, zeroshot):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
@@ -114,7 +118,8 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
                        roi=RoISettings(steps=roi_steps, seq_len=roi_seq_len, prior=roi_prior),
                        si=SISettings(steps=si_steps),
                        heal=HealSettings(tokens=0 if no_heal else heal_tokens, time_s=heal_time,
-                                         data=list(heal_data) or None, lr=heal_lr, chat=heal_chat)),
+                                         data=list(heal_data) or None, lr=heal_lr, chat=heal_chat),
+                       zeroshot=zeroshot),
         dry_run=dry_run)
 
 

@@ -70,13 +70,14 @@ class RefitSettings:
 @dataclass
 class HealSettings:
     """Distillation of the pruned model from the dense one after surgery (optimizer/heal.py)."""
-    tokens: int = 0                   # training tokens; 0: no healing
+    tokens: int = 81_920              # training tokens; 0: no healing (the default: README, "Healing")
     time_s: float | None = None       # a cap on the training's wall time
     data: list[str] | None = None     # text / JSONL files; None: the calibration text
-    lr: float = 1e-4                  # AdamW, linear warm-up then a cosine to lr / 10
+    lr: float = 3e-4                  # AdamW, linear warm-up then a cosine to lr / 10 (bench/results/heal-select/)
     seq_len: int = 1024               # tokens a sequence (the whole window where it does not divide)
     batch: int = 4                    # sequences a step
-    chat: int = 0                     # chat answers the dense model writes to mix in (Instruct models)
+    chat: int | None = None           # chat answers the dense model writes to mix in; None: 40 where the
+                                      # model has a chat template (an Instruct model), else none
 
 
 @dataclass
@@ -102,6 +103,8 @@ class OptimizeConfig:
     roi: RoISettings = field(default_factory=RoISettings)
     si: SISettings = field(default_factory=SISettings)
     heal: HealSettings = field(default_factory=HealSettings)
+    zeroshot: int = 0                 # documents per zero-shot task (ARC-Easy, PIQA, HellaSwag) scored
+                                      # dense / before / after healing; 0: none
 
 
 def validate(cfg: OptimizeConfig) -> None:
@@ -143,11 +146,15 @@ def validate(cfg: OptimizeConfig) -> None:
             raise UserError("--refit applies to structured methods (removed heads and channels), not semi-structured ones")
     h = cfg.heal
     if (h.tokens < 0 or (h.time_s is not None and h.time_s <= 0) or h.lr <= 0 or h.seq_len < 16 or h.batch < 1
-            or h.chat < 0):
+            or (h.chat is not None and h.chat < 0)):
         raise UserError("--heal-tokens and --heal-chat must be >= 0, --heal-time and the heal learning rate > 0, "
                         "its sequence length >= 16 and batch >= 1")
-    if 0 < h.tokens < h.batch * h.seq_len:
-        raise UserError(f"--heal-tokens {h.tokens} is less than one step of {h.batch} × {h.seq_len} tokens")
+    # heal's sequences: --heal-seq-len, or the calibration window where that does not divide it
+    seq = h.seq_len if h.data or dc.seq_len % h.seq_len == 0 else dc.seq_len
+    if 0 < h.tokens < h.batch * seq:
+        raise UserError(f"--heal-tokens {h.tokens} is less than one step of {h.batch} × {seq} tokens")
+    if cfg.zeroshot < 0:
+        raise UserError(f"--zeroshot must be >= 0 documents per task, got {cfg.zeroshot}")
     for path, what in ((dc.calib, "calibration file"), (dc.eval, "evaluation file"),
                        *((p, "heal data file") for p in h.data or ())):
         if path is not None:

@@ -37,7 +37,7 @@ ALGORITHM = "heal-1: logit KL(teacher || student), chunked; blocks and final nor
 @dataclass
 class HealConfig:
     steps: int
-    lr: float = 1e-4
+    lr: float = 3e-4
     lr_end: float = 1e-5           # cosine from lr to this
     warmup: float = 0.05           # fraction of steps of linear warm-up
     weight_decay: float = 0.0
@@ -203,6 +203,8 @@ def digest(params: dict[str, torch.Tensor]) -> str:
 
 # --- the stage ----------------------------------------------------------------------------------
 
+AUTO_CHAT = 40  # --heal-chat's default for a model with a chat template (bench/results/heal/probes/)
+
 CHAT_PROMPTS = ("What is the capital of France?", "Give me three tips for staying healthy.",
                 "Write one sentence about the sea.")
 
@@ -239,28 +241,31 @@ def heal(job, model):
     from optimizer.sequential import calibration_dtype
     s, cfg = job.cfg.heal, job.cfg
     chunks, source = job.heal_data or heal_chunks(job)
-    steps = s.tokens // (s.batch * s.seq_len)
+    seq = chunks.shape[1]  # --heal-seq-len, or the calibration window where that does not divide
+    steps = max(1, s.tokens // (s.batch * seq))
     hcfg = HealConfig(steps=steps, lr=s.lr, seed=cfg.seed,
                       dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."))
     keep = zero_masks(model, job.adapter) if job.plan.sparsity else None
     before = {}
     if job.evaluation is not None:
         before["perplexity"] = evaluate.perplexity(model, job.evaluation.windows, "perplexity (before healing)")
+    if cfg.zeroshot:
+        before["zeroshot"] = job.zeroshot(model)
     held_out = job.calib.held_out[:, :1024]
     before["held_out_kd"] = kd_eval(model, job.teacher, held_out)
     started = time.time()
     distil = Distillation(model, job.teacher, hcfg, keep)
-    ckpt = job.checkpoint("heal", [vars(hcfg), s.seq_len, s.batch, source, distil.start_digest])
+    ckpt = job.checkpoint("heal", [vars(hcfg), seq, s.batch, source, distil.start_digest])
     run = job.train(distil, chunks, steps, s.batch, ckpt, "healing",
                     lambda st: {"kd": f"{st['kd']:.3f}", "lr": f"{st['lr']:.1e}"}, max_time_s=s.time_s)
     distil.close()
     done = distil.step_count
     after = {"held_out_kd": kd_eval(model, job.teacher, held_out)}
-    job.log(f"healed: {done} steps, {done * s.batch * s.seq_len:,} tokens of {source} in {run['wall_s']:.0f} s; "
+    job.log(f"healed: {done} steps, {done * s.batch * seq:,} tokens of {source} in {run['wall_s']:.0f} s; "
             f"held-out KL to the dense model {before['held_out_kd']:.4f} → {after['held_out_kd']:.4f}")
     job.heal_detail = {
-        "data": source, "tokens_requested": s.tokens, "tokens": done * s.batch * s.seq_len, "steps": done,
-        "steps_planned": steps, "seq_len": s.seq_len, "batch": s.batch, "time_cap_s": s.time_s,
+        "data": source, "tokens_requested": s.tokens, "tokens": done * s.batch * seq, "steps": done,
+        "steps_planned": steps, "seq_len": seq, "batch": s.batch, "time_cap_s": s.time_s,
         "stopped_by_time": done < steps, "config": vars(hcfg), "zeros_held": len(keep or {}),
         "before": before, "after": after, "memory_bytes": distil.state_bytes(),
         "peak_rss_gib": round(peak_rss_gib(), 2), "wall_s": round(time.time() - started, 1),
@@ -283,15 +288,24 @@ def heal_chunks(job) -> tuple[torch.Tensor, str]:
         train = job.calib.train
         seq = s.seq_len if train.shape[1] % s.seq_len == 0 else train.shape[1]
         chunks, what = train.reshape(-1, seq), f"the calibration text ({job.calib.text.description})"
-    if not s.chat:
+    n_chat = chat_answers(s, job.tok)
+    if not n_chat:
         return chunks, what
     if job.heal_chat is None:
-        job.heal_chat = teacher_chat(job.teacher, job.tok, s.chat, job.cfg.seed)
+        job.heal_chat = teacher_chat(job.teacher, job.tok, n_chat, job.cfg.seed)
     chat = data.token_windows(job.tok, job.heal_chat, chunks.shape[1])
     repeat = max(1, round(len(chunks) / 3 / len(chat)))  # chat : rest = 1 : 3
     mixed = torch.cat([chunks, chat.repeat(repeat, 1)])
-    return mixed, (f"{what}, and {s.chat} chat answers the dense model wrote ({len(chat)} sequences, "
+    return mixed, (f"{what}, and {n_chat} chat answers the dense model wrote ({len(chat)} sequences, "
                    f"{repeat}× each: {len(chat) * repeat} of {len(mixed)})")
+
+
+def chat_answers(s, tok) -> int:
+    """How many chat answers the teacher writes: --heal-chat, or by default (None) AUTO_CHAT
+    where the model has a chat template (an Instruct model) and none where it has not."""
+    if s.chat is not None:
+        return s.chat
+    return AUTO_CHAT if getattr(tok, "chat_template", None) else 0
 
 
 def read_heal_file(path: str, tok) -> str:

@@ -65,6 +65,7 @@ from optimizer.errors import Terminated, UserError
 
 TOOL_VERSION = "0.1.0"
 MAX_MODEL_LEN = 2048          # the packages' --max-model-len
+ZEROSHOT_TASKS = ("arc_easy", "piqa", "hellaswag")  # --zeroshot: where SmolLM2-135M is above chance
 CHECKPOINT_EVERY = 25         # steps between checkpoints of a trained method
 
 
@@ -108,6 +109,7 @@ class Job:
     dense_ppl: float | None = None
     teacher: torch.nn.Module | None = None   # the dense model healing distils from
     heal_detail: dict | None = None
+    dense_zeroshot: dict | None = None       # --zeroshot
     heal_chat: str | None = None             # the teacher's chat answers (--heal-chat), written once
     heal_data: tuple | None = None           # (sequences, description), tokenized once by check_heal_data
 
@@ -116,6 +118,8 @@ class Job:
         self.load()
         self.calibrate()
         self.evaluate_dense()          # before any method: semi-structured ones edit in place
+        if self.cfg.zeroshot:
+            self.dense_zeroshot = self.zeroshot(self.model)
         heal = self.cfg.heal.tokens > 0
         if heal:
             # the teacher is the dense model: a copy where the method edits job.model in place
@@ -163,6 +167,12 @@ class Job:
                                      text.text)
         self.dense_ppl = dense_perplexity(self.model, self.evaluation.windows, self.source)
 
+    def zeroshot(self, model) -> dict:
+        """--zeroshot: the zero-shot tasks' scores of `model` on cfg.zeroshot seeded documents each."""
+        from optimizer import zeroshot
+        r = zeroshot.evaluate(model, self.tok, list(ZEROSHOT_TASKS), self.cfg.zeroshot)
+        return {"mean": r["mean"], "tasks": {k: v["score"] for k, v in r["tasks"].items()}}
+
     def check_heal_data(self) -> None:
         """The evaluation text is never trained on: refuse heal data that holds it, warn at a trace."""
         from optimizer.heal import eval_overlap, heal_chunks
@@ -183,15 +193,23 @@ class Job:
         self.heal_data = heal_chunks(self)  # too little text is a one-line error now, not after pruning
 
     def quality(self, model) -> dict:
-        """The manifest's perplexity entry: dense against the deployable model."""
+        """The manifest's quality: perplexity (and with --zeroshot the zero-shot scores), dense
+        against the deployable model."""
+        z = {}
+        if self.cfg.zeroshot:
+            from optimizer import zeroshot
+            z = {"tasks": list(ZEROSHOT_TASKS), "limit": self.cfg.zeroshot, "seed": zeroshot.DEFAULT_SEED,
+                 "dense": self.dense_zeroshot, "pruned": self.zeroshot(model)}
+            self.log(f"zero-shot mean: dense {z['dense']['mean']:.3f} → pruned {z['pruned']['mean']:.3f}")
+        out = {"zeroshot": z} if z else {}
         if self.evaluation is None:
-            return {}
+            return out
         q = {"eval": self.evaluation.description, "windows": len(self.evaluation.windows),
              "seq_len": self.cfg.data.seq_len, "dense": self.dense_ppl,
              "pruned": evaluate.perplexity(model, self.evaluation.windows, "perplexity (pruned)")}
         self.log(f"perplexity: dense {q['dense']:.3f} → pruned {q['pruned']:.3f} "
                  f"({q['windows']} windows of {q['seq_len']})")
-        return q
+        return {"perplexity": q, **out}
 
     # --- training -----------------------------------------------------------------------------
     def checkpoint(self, kind: str, run: list) -> Path:
@@ -242,7 +260,7 @@ class Job:
             "target": {"name": t.name, "display_name": t.display_name, "kind": t.kind,
                        "compute_capability": t.compute_capability},
             "method": sections["method"],
-            "quality": {"perplexity": quality} if quality else {},
+            "quality": quality,
             "size": sections["size"],
             "plan": {"text": plan.text(), "reasons": plan.reasons, "prediction": plan.prediction,
                      "engine": plan.engine, "engine_version": plan.engine_version},

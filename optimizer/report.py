@@ -10,6 +10,20 @@ def _perplexity_line(q: dict | None) -> str:
             f"dense **{q['dense']:.3f}**, pruned **{q['pruned']:.3f}**.")
 
 
+def _zeroshot_lines(m: dict) -> list[str]:
+    z = m["quality"].get("zeroshot")
+    if not z:
+        return []
+    before = (m.get("heal") or {}).get("before", {}).get("zeroshot")
+    tasks = z["tasks"]
+    rows = [("dense", z["dense"]), *((("before healing", before),) if before else ()), ("pruned", z["pruned"])]
+    lines = ["", f"Zero-shot accuracy ({z['limit']} seeded documents a task, seed {z['seed']}):", "",
+             "| | " + " | ".join(tasks) + " | mean |", "|---" * (len(tasks) + 2) + "|"]
+    lines += [f"| {name} | " + " | ".join(f"{r['tasks'][t]:.3f}" for t in tasks) + f" | **{r['mean']:.3f}** |"
+              for name, r in rows]
+    return lines
+
+
 def _heal_lines(m: dict) -> list[str]:
     h = m.get("heal")
     if not h:
@@ -70,7 +84,7 @@ def render(m: dict) -> str:
         s = c["shape"]
         lines.append(f"- {s['num_heads']}/{s['num_kv_heads']} heads, {s['intermediate_size']} channels: "
                      f"retention {c['retain']:.3f}, loss {c['held_out_loss']:.4f}")
-    lines += ["", "## Quality", "", _perplexity_line(q), *_heal_lines(m)]
+    lines += ["", "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m)]
     lines += ["", "## Plan", "", "```", m["plan"]["text"], "```", "",
               "The roofline is a prediction from the target's datasheet numbers; "
               "`bench PACKAGE --baseline MODEL` measures the real ratio on your hardware.", "",
@@ -110,7 +124,7 @@ def render_sparse(m: dict) -> str:
         f"block by block ({meth['wall_s']:.0f} s)",
         "",
         "## Speed", "", speed, "",
-        "## Quality", "", _perplexity_line(q), *_heal_lines(m),
+        "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m),
     ]
     lines += ["", "## Plan", "", "```", m["plan"]["text"], "```", "",
               "## Serving", "",

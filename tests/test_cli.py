@@ -20,16 +20,20 @@ def _leftovers(parent):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_optimize_writes_a_complete_package(tiny_dirs, text_file, tmp_path, family):
+    """The default path: the planner's method (one-shot, then heal) on a small heal budget."""
     out = tmp_path / "pkg"
+    other = tmp_path / "eval.txt"  # the evaluation text is never the heal (calibration) text
+    other.write_text("\n".join(f"Line {i} of another text, on other things than the calibration." for i in range(300)))
     r = _run(optimize, [tiny_dirs[family], "--target", "l4", "--retain", "0.6", "--calib", text_file,
-                        "--eval", text_file, "--seq-len", "64", "--calib-windows", "4", "--eval-windows", "2",
-                        "--steps", "5", "-o", out])
+                        "--eval", other, "--seq-len", "64", "--calib-windows", "4", "--eval-windows", "2",
+                        "--heal-tokens", "1024", "-o", out])
     assert r.exit_code == 0, r.output
     for f in ("config.json", "model.safetensors", "tokenizer.json", "manifest.json", "report.md",
               "launch.sh", "Dockerfile"):
         assert (out / f).is_file(), f
     m = json.loads((out / "manifest.json").read_text())
-    assert m["target"]["name"] == "l4" and m["method"]["plan"] == "ddp"
+    assert m["target"]["name"] == "l4" and m["method"]["plan"] == "activation"
+    assert m["heal"]["steps"] == 4 and m["heal"]["tokens"] == 1024  # 4 sequences of 64 a step
     assert 0.45 < m["method"]["retain_achieved"] <= 0.6
     assert m["size"]["params_pruned"] < m["size"]["params_dense"]
     assert m["quality"]["perplexity"]["pruned"] > 1
@@ -120,7 +124,7 @@ def test_unwritable_output_directory(tiny_dirs, tmp_path, text_file):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")  # a file where a directory is needed fails even for root
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
-                                      "-o", str(blocker / "pkg")])
+                                      "--no-heal", "-o", str(blocker / "pkg")])
     assert r.exit_code == 2 and "cannot write to" in r.output
 
 
@@ -141,7 +145,7 @@ def test_failure_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file
     monkeypatch.setattr(optimizer.evaluate, "perplexity", boom)
     with pytest.raises(RuntimeError):
         CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
-                                      "--eval", str(text_file), "--seq-len", "64", "--steps", "3",
+                                      "--eval", str(text_file), "--seq-len", "64", "--no-heal",
                                       "-o", str(tmp_path / "pkg")],
                            catch_exceptions=False)
     assert list(tmp_path.iterdir()) == []
@@ -155,8 +159,8 @@ def test_sigterm_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file
     import sys
     import time
     cmd = [sys.executable, "-c", "from optimizer.cli import optimize; optimize()", str(tiny_dirs["llama"]),
-           "--target", "a100", "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
-           "--steps", "100000", "--threads", "1", "-o", str(tmp_path / "pkg")]
+           "--target", "a100", "--method", "ddp", "--calib", str(text_file), "--eval", str(text_file),
+           "--seq-len", "64", "--steps", "100000", "--no-heal", "--threads", "1", "-o", str(tmp_path / "pkg")]
     env = {**os.environ, "OPTIMIZER_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:

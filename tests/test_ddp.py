@@ -279,7 +279,7 @@ def test_bad_ddp_settings_are_one_line_errors(field, value):
 def test_a_run_at_another_training_length_gets_its_own_checkpoint(tiny_dirs, text_file, tmp_path, monkeypatch):
     """The checkpoint key covers everything that changes what the gates learn. Without the
     training sequence length, runs at two lengths once wrote (and resumed) one file."""
-    from optimizer.pipeline import DataConfig, DDPSettings, OptimizeConfig, optimize
+    from optimizer.pipeline import DataConfig, DDPSettings, HealSettings, OptimizeConfig, optimize
     monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
     ckpts = []
     for seq in (32, 64):
@@ -287,7 +287,8 @@ def test_a_run_at_another_training_length_gets_its_own_checkpoint(tiny_dirs, tex
                                       out=str(tmp_path / f"p{seq}"),
                                       data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=2,
                                                       eval_windows=1, seq_len=64),
-                                      ddp=DDPSettings(steps=2, seq_len=seq)), log=lambda *_: None)
+                                      ddp=DDPSettings(steps=2, seq_len=seq), heal=HealSettings(tokens=0)),
+                               log=lambda *_: None)
         ddp = res["manifest"]["method"]["ddp"]
         assert ddp["seq_len"] == seq and ddp["resumed_from_step"] == 0
         # the uniform layout's defaults (DDPSettings.by_layout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 
+import click
 import pytest
 import torch
 import torch.nn.functional as F
@@ -138,6 +139,40 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
     assert "perplexity" in h["before"] and h["before"]["perplexity"] != m["quality"]["perplexity"]["pruned"]
     assert h["memory_bytes"]["adam"] == 2 * h["memory_bytes"]["weights"]
     assert "## Healing" in (out / "report.md").read_text()
+
+
+def test_optimize_scores_zero_shot_dense_before_and_after_healing(tiny_dirs, text_file, tmp_path):
+    from optimizer.cli import optimize
+    other = tmp_path / "eval.txt"
+    other.write_text("\n".join(f"Line {i} of another text, about other things than the calibration." for i in range(300)))
+    out = tmp_path / "pkg"
+    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6",
+                                      "--calib", str(text_file), "--eval", str(other), "--seq-len", "64",
+                                      "--calib-windows", "2", "--eval-windows", "1", "--heal-tokens", "512",
+                                      "--zeroshot", "3", "-o", str(out)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    z = m["quality"]["zeroshot"]
+    assert z["tasks"] == ["arc_easy", "piqa", "hellaswag"] and z["limit"] == 3
+    for scored in (z["dense"], z["pruned"], m["heal"]["before"]["zeroshot"]):
+        assert set(scored["tasks"]) == set(z["tasks"]) and 0 <= scored["mean"] <= 1
+    report = (out / "report.md").read_text()
+    assert "Zero-shot accuracy (3 seeded documents a task" in report and "| before healing |" in report
+
+
+def test_the_default_heal_budget_and_chat_answers(tokenizer):
+    from optimizer.cli import optimize
+    from optimizer.config import HealSettings
+    from optimizer.heal import AUTO_CHAT, chat_answers
+    defaults = {p.name: p.default for p in optimize.params}
+    assert defaults["heal_tokens"] == HealSettings.tokens > 0 and defaults["heal_lr"] == HealSettings.lr
+    assert defaults["heal_chat"] in (None, getattr(click.core, "UNSET", None)) and HealSettings.chat is None  # no default: auto
+    chat = copy.copy(tokenizer)
+    chat.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    plain = copy.copy(tokenizer)
+    plain.chat_template = None
+    assert chat_answers(HealSettings(), chat) == AUTO_CHAT and chat_answers(HealSettings(), plain) == 0
+    assert chat_answers(HealSettings(chat=0), chat) == 0 and chat_answers(HealSettings(chat=5), plain) == 5
 
 
 @pytest.mark.parametrize("args, message", [

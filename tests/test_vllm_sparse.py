@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from optimizer.pipeline import DataConfig, OptimizeConfig, SISettings, optimize
+from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, SISettings, optimize
 from optimizer.sparsity import parse
 from serve import launch, loadgen
 
@@ -40,7 +40,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module", params=list(PACKAGES))
 def package(request, real_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sparse") / request.param
-    optimize(OptimizeConfig(**PACKAGES[request.param], out=str(out), threads=1,
+    optimize(OptimizeConfig(**PACKAGES[request.param], out=str(out), threads=1, heal=HealSettings(tokens=0),
                             data=DataConfig(calib_windows=2, eval_windows=1, seq_len=512)), log=lambda *_: None)
     return request.param, out
 
