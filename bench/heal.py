@@ -57,12 +57,17 @@ def main() -> None:
     path = out / "heal.json"
     test_file = benchlib.data_file("test", Path(args.data))
     c4_file = _c4_file()
-    protocol = {"methods": args.methods, "retain": args.retain, "heal_tokens": args.heal_tokens,
-                "heal_data": args.heal_data, "heal_chat": args.heal_chat, "heal_lr": args.heal_lr, "calib": args.calib, "calib_windows": args.calib_windows,
+    # what every row of the folder shares (a later invocation with --out must match it), and
+    # each invocation's own methods, levels, budgets and commit
+    protocol = {"heal_data": args.heal_data, "heal_chat": args.heal_chat, "heal_lr": args.heal_lr,
+                "calib": args.calib, "calib_windows": args.calib_windows,
                 "eval": str(test_file), "eval_windows": args.eval_windows, "c4": str(c4_file),
                 "zeroshot": {"tasks": TASKS, "limit": args.zeroshot_limit, "seed": args.zeroshot_seed},
-                "threads": args.threads, **benchlib.run_info()}
-    benchlib.update_result(path, {"protocol": protocol, "runs": {}})
+                "threads": args.threads}
+    invocation = {"methods": args.methods, "retain": args.retain, "heal_tokens": args.heal_tokens,
+                  **benchlib.run_info()}
+    benchlib.update_result(path, {"protocol": {**protocol, "invocations": {invocation["command"]: invocation}},
+                                  "runs": {}})
 
     source = load.resolve(None)
     dense, tok = load.load_model(source)

@@ -78,7 +78,7 @@ def one_line_errors(fn):
                    "calibration windows, so they make up for what was removed (weights change; same shapes).")
 @click.option("--refit-damp", default=0.1, show_default=True,
               help="--refit: the ridge toward the masked weights, times the Gram matrix's mean diagonal.")
-@click.option("--heal-tokens", default=81_920, show_default=True,
+@click.option("--heal-tokens", default=65_536, show_default=True,
               help="Heal after surgery: distil the pruned model from the dense one for this many tokens (0: no healing).")
 @click.option("--heal-time", type=float, help="Heal: stop training after this many seconds (checkpointed; the package is written).")
 @click.option("--heal-data", multiple=True, type=click.Path(),

@@ -70,7 +70,7 @@ class RefitSettings:
 @dataclass
 class HealSettings:
     """Distillation of the pruned model from the dense one after surgery (optimizer/heal.py)."""
-    tokens: int = 81_920              # training tokens; 0: no healing (the default: README, "Healing")
+    tokens: int = 65_536              # training tokens; 0: no healing (the default: README, "Healing")
     time_s: float | None = None       # a cap on the training's wall time
     data: list[str] | None = None     # text / JSONL files; None: the calibration text
     lr: float = 3e-4                  # AdamW, linear warm-up then a cosine to lr / 10 (bench/results/heal-select/)
