@@ -46,7 +46,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--out", help="run folder (default: a new bench/results/heal/DATE-COMMIT)")
+    ap.add_argument("--table", action="store_true", help="only rewrite --out's heal.md and heal.png from its heal.json")
     args = ap.parse_args()
+    if args.table:
+        if not args.out:
+            raise SystemExit("error: --table needs --out, the run folder")
+        result = benchlib.read_result(Path(args.out) / "heal.json")
+        benchlib.write_markdown(Path(args.out) / "heal.md", markdown(result))
+        plot(result, Path(args.out) / "heal.png")
+        print(markdown(result))
+        return
 
     import torch
 
@@ -147,7 +156,7 @@ def _heal_summary(m: dict) -> dict | None:
 def markdown(r: dict) -> str:
     d, p = r["dense"], r["protocol"]
     rows = [["dense", "—", "—", f"{d['wikitext2']:.2f}", "1.00", f"{d['c4']:.2f}", "1.00",
-             f"{d['zeroshot']['mean']:.3f}" if "zeroshot" in d else "—", "—", "—"]]
+             f"{d['zeroshot']['mean']:.3f}" if "zeroshot" in d else "—", "—", "—", "—"]]
     for name, x in r["runs"].items():
         h = x.get("heal") or {}
         rows.append([x["method"], "2:4" if x["retain"] is None else f"{x['retain']:.2f}", f"{x['heal_tokens']:,}",
@@ -155,13 +164,13 @@ def markdown(r: dict) -> str:
                      f"{x['c4']:.2f}", f"{x['c4'] / d['c4']:.2f}",
                      f"{x['zeroshot']['mean']:.3f}" if "zeroshot" in x else "—",
                      None if x["method_wall_s"] is None else f"{x['method_wall_s']:.0f}",
-                     f"{h['wall_s']:.0f}" if h else None])
+                     f"{h['wall_s']:.0f}" if h else None, f"{x['optimize_wall_s']:.0f}"])
     header = ["method", "retain", "heal tokens", "WikiText-2 PPL", "× dense", "c4 PPL", "× dense",
-              "zero-shot mean", "method s (DDP / RoI training, 2:4 pruning)", "heal s"]
+              "zero-shot mean", "method s (DDP / RoI training, 2:4 pruning)", "heal s", "optimize s"]
     return (f"# Heal on SmolLM2-135M\n\nPerplexity on {p['eval_windows']} × 2048 tokens of WikiText-2 test and of "
             f"exllamav2's c4 sample; zero-shot mean of {', '.join(TASKS)} ({p['zeroshot']['limit']} documents each, "
             f"seed {p['zeroshot']['seed']}); {p['threads']} threads.\n\n"
-            + benchlib.markdown_table(header, rows, align="lllrrrrrrr") + "\n\nHeal data: "
+            + benchlib.markdown_table(header, rows, align="lllrrrrrrrr") + "\n\nHeal data: "
             + "; ".join(sorted({x["heal"]["data"] for x in r["runs"].values() if x.get("heal")})) + "\n")
 
 
