@@ -49,6 +49,9 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     if why_target:
         log(why_target)
     log(plan.text())
+    h = cfg.heal
+    log(f"heal: {h.tokens:,} tokens of distillation from the dense model after surgery (--no-heal to skip)"
+        if h.tokens else "heal: off")
     if dry_run:
         return {"plan": plan, "dry_run": True}
 

@@ -49,6 +49,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_dirs, tmp_path):
     assert r.exit_code == 0
     assert "A100 (SM 8.0) + vLLM" in r.output and "no 2:4 kernel" in r.output and "structured" in r.output
     assert "prefill" in r.output and "decode" in r.output
+    assert "method: activation" in r.output and "heal: 65,536 tokens" in r.output  # the default plan
     assert list(tmp_path.iterdir()) == []
 
 
