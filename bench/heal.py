@@ -52,6 +52,8 @@ def main() -> None:
         if not args.out:
             raise SystemExit("error: --table needs --out, the run folder")
         result = benchlib.read_result(Path(args.out) / "heal.json")
+        if result is None:
+            raise SystemExit(f"error: {args.out}: no heal.json to make a table from")
         benchlib.write_markdown(Path(args.out) / "heal.md", markdown(result))
         plot(result, Path(args.out) / "heal.png")
         print(markdown(result))
@@ -65,7 +67,9 @@ def main() -> None:
     out = benchlib.run_dir("heal", args.out)
     path = out / "heal.json"
     test_file = benchlib.data_file("test", Path(args.data))
-    c4_file = _c4_file()
+    c4_file = data.builtin_sample("c4.utf8")
+    if c4_file is None:
+        raise SystemExit("error: exllamav2's c4 sample is not installed (make setup installs it)")
     # what every row of the folder shares (a later invocation with --out must match it), and
     # each invocation's own methods, levels, budgets and commit
     protocol = {"heal_data": args.heal_data, "heal_chat": args.heal_chat, "heal_lr": args.heal_lr,
@@ -124,12 +128,6 @@ def main() -> None:
     benchlib.write_markdown(out / "heal.md", markdown(result))
     plot(result, out / "heal.png")
     print(markdown(result))
-
-
-def _c4_file() -> Path:
-    import importlib.util
-    spec = importlib.util.find_spec("exllamav2")
-    return Path(list(spec.submodule_search_locations)[0]) / "conversion" / "standard_cal_data" / "c4.utf8"
 
 
 def _zeroshot(model, tok, args) -> dict:

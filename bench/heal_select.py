@@ -59,8 +59,6 @@ def main() -> None:
     from optimizer.heal import Distillation, HealConfig, kd_eval
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    import importlib.util
-    samples = Path(list(importlib.util.find_spec("exllamav2").submodule_search_locations)[0]) / "conversion" / "standard_cal_data"
     teacher, tok = load.load_model(load.resolve(None))
     student, _ = load.load_model(load.resolve(a.student))
 
@@ -68,7 +66,7 @@ def main() -> None:
     held = {"wiki_heldout": data.token_windows(tok, wiki, 1024)[-2:]}
     train = [data.token_windows(tok, wiki[: wiki.rfind("\n", 0, int(len(wiki) * 0.97))], a.seq)]
     for name in SAMPLES:
-        text = (samples / name).read_text()
+        text = data.builtin_sample(name).read_text()
         cut = text.rfind("\n", 0, int(len(text) * 0.9)) + 1
         held[name] = data.token_windows(tok, text[cut:], 1024)[:2]
         if a.data == "mix":

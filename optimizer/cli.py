@@ -84,7 +84,7 @@ def one_line_errors(fn):
 @click.option("--heal-data", multiple=True, type=click.Path(),
               help="Heal on this text file, or JSONL with a `text` field or chat `messages` (repeatable; "
                    "default: the calibration text). It must not hold the evaluation text.")
-@click.option("--heal-lr", default=3e-4, show_default=True, help="Heal: AdamW's peak learning rate (a cosine to a tenth).")
+@click.option("--heal-lr", default=3e-4, show_default=True, help="Heal: AdamW's peak learning rate (a cosine to 1e-5).")
 @click.option("--heal-chat", type=int,
               help="Heal: mix in this many chat answers the dense model writes to built-in instructions "
                    "(a quarter of the heal sequences), so an Instruct model keeps its chat behaviour "

@@ -73,11 +73,17 @@ class HealSettings:
     tokens: int = 65_536              # training tokens; 0: no healing (the default: README, "Healing")
     time_s: float | None = None       # a cap on the training's wall time
     data: list[str] | None = None     # text / JSONL files; None: the calibration text
-    lr: float = 3e-4                  # AdamW, linear warm-up then a cosine to lr / 10 (bench/results/heal-select/)
+    lr: float = 3e-4                  # AdamW, linear warm-up then a cosine to 1e-5 (bench/results/heal-select/)
     seq_len: int = 1024               # tokens a sequence (the whole window where it does not divide)
     batch: int = 4                    # sequences a step
     chat: int | None = None           # chat answers the dense model writes to mix in; None: 40 where the
                                       # model has a chat template (an Instruct model), else none
+
+
+def heal_seq_len(h: HealSettings, window: int) -> int:
+    """Tokens a heal sequence: --heal-data is cut at h.seq_len; the calibration windows (`window`
+    tokens) are split into h.seq_len pieces where that divides them, else used whole."""
+    return h.seq_len if h.data or window % h.seq_len == 0 else window
 
 
 @dataclass
@@ -149,8 +155,7 @@ def validate(cfg: OptimizeConfig) -> None:
             or (h.chat is not None and h.chat < 0)):
         raise UserError("--heal-tokens and --heal-chat must be >= 0, --heal-time and the heal learning rate > 0, "
                         "its sequence length >= 16 and batch >= 1")
-    # heal's sequences: --heal-seq-len, or the calibration window where that does not divide it
-    seq = h.seq_len if h.data or dc.seq_len % h.seq_len == 0 else dc.seq_len
+    seq = heal_seq_len(h, dc.seq_len)
     if 0 < h.tokens < h.batch * seq:
         raise UserError(f"--heal-tokens {h.tokens} is less than one step of {h.batch} × {seq} tokens")
     if cfg.zeroshot < 0:

@@ -40,17 +40,19 @@ def read_text_file(path: str | Path, what: str = "text file") -> Text:
     return Text(text, f"file {p.resolve()}")
 
 
-def _builtin_corpus_file() -> Path | None:
+def builtin_sample(name: str) -> Path | None:
+    """A text sample shipped in the `exllamav2` wheel's standard_cal_data (wiki.utf8, c4.utf8,
+    code.utf8, ...), or None where that package is absent."""
     spec = importlib.util.find_spec("exllamav2")  # find_spec: importing it would build CUDA code
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "conversion" / "standard_cal_data" / "wiki.utf8"
+    path = Path(list(spec.submodule_search_locations)[0]) / "conversion" / "standard_cal_data" / name
     return path if path.is_file() else None
 
 
 def builtin_text(part: str) -> Text | None:
     """The first ('calib') or second ('eval') half of the packaged Wikipedia sample."""
-    path = _builtin_corpus_file()
+    path = builtin_sample("wiki.utf8")
     if path is None:
         return None
     text = path.read_text(encoding="utf-8")

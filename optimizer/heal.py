@@ -241,7 +241,7 @@ def heal(job, model):
     from optimizer.sequential import calibration_dtype
     s, cfg = job.cfg.heal, job.cfg
     chunks, source = job.heal_data or heal_chunks(job)
-    seq = chunks.shape[1]  # --heal-seq-len, or the calibration window where that does not divide
+    seq = chunks.shape[1]  # config.heal_seq_len
     steps = max(1, s.tokens // (s.batch * seq))
     hcfg = HealConfig(steps=steps, lr=s.lr, seed=cfg.seed,
                       dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."))
@@ -280,14 +280,15 @@ def heal_chunks(job) -> tuple[torch.Tensor, str]:
     else the calibration text (without its held-out window); with --heal-chat, a quarter of the
     sequences are the teacher's own chat answers (repeated as needed)."""
     from optimizer import data
+    from optimizer.config import heal_seq_len
     s = job.cfg.heal
     if s.data:
         text = "\n\n".join(read_heal_file(p, job.tok) for p in s.data)
         chunks, what = data.token_windows(job.tok, text, s.seq_len), "files " + ", ".join(str(p) for p in s.data)
     else:
         train = job.calib.train
-        seq = s.seq_len if train.shape[1] % s.seq_len == 0 else train.shape[1]
-        chunks, what = train.reshape(-1, seq), f"the calibration text ({job.calib.text.description})"
+        chunks = train.reshape(-1, heal_seq_len(s, train.shape[1]))
+        what = f"the calibration text ({job.calib.text.description})"
     n_chat = chat_answers(s, job.tok)
     if not n_chat:
         return chunks, what
