@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--heal-chat", type=int, default=None,
                     help="chat answers the dense model writes, mixed in (default: the product's, 40 for an Instruct model)")
     ap.add_argument("--heal-lr", type=float, default=None, help="heal's peak learning rate (default: the product's)")
+    ap.add_argument("--heal-memory", default="fast", choices=["fast", "lean"],
+                    help="the heal's memory recipe (rows of another recipe are named ...-lean)")
     ap.add_argument("--calib", help="calibration text (default: the built-in corpus)")
     ap.add_argument("--calib-windows", type=int, default=16)
     ap.add_argument("--eval-windows", type=int, default=16)
@@ -78,7 +80,7 @@ def main() -> None:
                 "zeroshot": {"tasks": TASKS, "limit": args.zeroshot_limit, "seed": args.zeroshot_seed},
                 "threads": args.threads}
     invocation = {"methods": args.methods, "retain": args.retain, "heal_tokens": args.heal_tokens,
-                  **benchlib.run_info()}
+                  "heal_memory": args.heal_memory, **benchlib.run_info()}
     benchlib.update_result(path, {"protocol": {**protocol, "invocations": {invocation["command"]: invocation}},
                                   "runs": {}})
 
@@ -100,6 +102,8 @@ def main() -> None:
         for retain in levels:
             for tokens in args.heal_tokens:
                 name = f"{spec}-r{retain:.2f}-h{tokens}" if retain else f"{spec}-2of4-h{tokens}"
+                if args.heal_memory != "fast" and tokens:
+                    name += f"-{args.heal_memory}"
                 if name in benchlib.read_result(path)["runs"]:
                     continue
                 pkg = benchlib.ROOT / "out" / "heal" / out.name / name
@@ -111,11 +115,12 @@ def main() -> None:
                     retain=retain or 0.7, layout=layout or "uniform", out=str(pkg), threads=args.threads,
                     data=DataConfig(calib=args.calib, eval=str(test_file), calib_windows=args.calib_windows,
                                     eval_windows=args.eval_windows),
-                    ddp=DDPSettings(), heal=HealSettings(tokens=tokens, data=args.heal_data, chat=args.heal_chat,
+                    ddp=DDPSettings(), heal=HealSettings(tokens=tokens, data=args.heal_data, chat=args.heal_chat, memory=args.heal_memory,
                                                       **({"lr": args.heal_lr} if args.heal_lr else {})))
                 m = optimize(cfg, log=lambda *a: print(*a, flush=True))["manifest"]
                 model, _ = load.load_model(load.resolve(str(pkg)))
-                row = {"method": spec, "retain": retain, "heal_tokens": tokens, "package": str(pkg),
+                row = {"method": spec, "retain": retain, "heal_tokens": tokens, "heal_memory": args.heal_memory,
+                       "package": str(pkg),
                        "wikitext2": m["quality"]["perplexity"]["pruned"],
                        "c4": evaluate.perplexity(model, c4, f"{name}: c4"),
                        "optimize_wall_s": round(time.time() - t0, 1),
@@ -157,7 +162,8 @@ def markdown(r: dict) -> str:
              f"{d['zeroshot']['mean']:.3f}" if "zeroshot" in d else "—", "—", "—", "—"]]
     for name, x in r["runs"].items():
         h = x.get("heal") or {}
-        rows.append([x["method"], "2:4" if x["retain"] is None else f"{x['retain']:.2f}", f"{x['heal_tokens']:,}",
+        method = x["method"] + (f" ({x['heal_memory']} heal)" if x.get("heal_memory", "fast") != "fast" else "")
+        rows.append([method, "2:4" if x["retain"] is None else f"{x['retain']:.2f}", f"{x['heal_tokens']:,}",
                      f"{x['wikitext2']:.2f}", f"{x['wikitext2'] / d['wikitext2']:.2f}",
                      f"{x['c4']:.2f}", f"{x['c4'] / d['c4']:.2f}",
                      f"{x['zeroshot']['mean']:.3f}" if "zeroshot" in x else "—",
@@ -182,6 +188,8 @@ def plot(r: dict, path: Path) -> None:
     series = {}
     for x in r["runs"].values():
         key = f"{x['method']} {'2:4' if x['retain'] is None else x['retain']}"
+        if x.get("heal_memory", "fast") != "fast":
+            key += f" {x['heal_memory']}"
         series.setdefault(key, []).append(x)
     for key, xs in series.items():
         xs = sorted(xs, key=lambda x: x["heal_tokens"])

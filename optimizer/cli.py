@@ -84,7 +84,12 @@ def one_line_errors(fn):
 @click.option("--heal-data", multiple=True, type=click.Path(),
               help="Heal on this text file, or JSONL with a `text` field or chat `messages` (repeatable; "
                    "default: the calibration text). It must not hold the evaluation text.")
-@click.option("--heal-lr", default=3e-4, show_default=True, help="Heal: AdamW's peak learning rate (a cosine to 1e-5).")
+@click.option("--heal-lr", type=float,
+              help="Heal: the peak learning rate, a cosine to a thirtieth of it (default: AdamW 3e-4; "
+                   "--heal-memory lean's Adafactor 1e-2, relative to each weight's size).")
+@click.option("--heal-memory", default="fast", show_default=True,
+              help="Heal: fast keeps activations and AdamW's two moments; lean recomputes each block's "
+                   "activations and trains with Adafactor (factored state): what fits an 8B model on one 80 GB GPU.")
 @click.option("--heal-chat", type=int,
               help="Heal: mix in this many chat answers the dense model writes to built-in instructions "
                    "(a quarter of the heal sequences), so an Instruct model keeps its chat behaviour "
@@ -97,7 +102,7 @@ def one_line_errors(fn):
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads, budget, layout, steps, ddp_batch, ddp_seq_len, ddp_lr, ddp_lr_end,
              ddp_beta, resume, si_steps, roi_steps, roi_seq_len, roi_prior, calib_dtype, refit, refit_damp,
-             heal_tokens, heal_time, heal_data, heal_lr, heal_chat, no_heal, zeroshot):
+             heal_tokens, heal_time, heal_data, heal_lr, heal_memory, heal_chat, no_heal, zeroshot):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
@@ -118,7 +123,7 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
                        roi=RoISettings(steps=roi_steps, seq_len=roi_seq_len, prior=roi_prior),
                        si=SISettings(steps=si_steps),
                        heal=HealSettings(tokens=0 if no_heal else heal_tokens, time_s=heal_time,
-                                         data=list(heal_data) or None, lr=heal_lr, chat=heal_chat),
+                                         data=list(heal_data) or None, lr=heal_lr, memory=heal_memory, chat=heal_chat),
                        zeroshot=zeroshot),
         dry_run=dry_run)
 

@@ -15,6 +15,7 @@ from optimizer import sparsity as sparsity_mod
 from optimizer.errors import UserError
 
 FORMATS = ("vllm", "onnx")
+HEAL_MEMORY = ("fast", "lean")
 LAYOUTS = ("uniform", "per-layer")
 BUDGETS = ("params", "latency")
 
@@ -73,7 +74,10 @@ class HealSettings:
     tokens: int = 65_536              # training tokens; 0: no healing (the default: README, "Healing")
     time_s: float | None = None       # a cap on the training's wall time
     data: list[str] | None = None     # text / JSONL files; None: the calibration text
-    lr: float = 3e-4                  # AdamW, linear warm-up then a cosine to 1e-5 (bench/results/heal-select/)
+    lr: float | None = None           # peak learning rate; None: the optimizer's (heal.OPTIMIZER_LR: AdamW
+                                      # 3e-4, bench/results/heal-select/), a cosine to a thirtieth of it
+    memory: str = "fast"              # fast: AdamW, activations kept | lean: Adafactor, activations
+                                      # recomputed per block (docs/heal.md, "Memory")
     seq_len: int = 1024               # tokens a sequence (the whole window where it does not divide)
     batch: int = 4                    # sequences a step
     chat: int | None = None           # chat answers the dense model writes to mix in; None: 40 where the
@@ -151,7 +155,10 @@ def validate(cfg: OptimizeConfig) -> None:
         if cfg.refit is not None:
             raise UserError("--refit applies to structured methods (removed heads and channels), not semi-structured ones")
     h = cfg.heal
-    if (h.tokens < 0 or (h.time_s is not None and h.time_s <= 0) or h.lr <= 0 or h.seq_len < 16 or h.batch < 1
+    if h.memory not in HEAL_MEMORY:
+        raise UserError(f"unknown --heal-memory '{h.memory}'; choose from: {', '.join(HEAL_MEMORY)}")
+    if (h.tokens < 0 or (h.time_s is not None and h.time_s <= 0) or (h.lr is not None and h.lr <= 0)
+            or h.seq_len < 16 or h.batch < 1
             or (h.chat is not None and h.chat < 0)):
         raise UserError("--heal-tokens and --heal-chat must be >= 0, --heal-time and the heal learning rate > 0, "
                         "its sequence length >= 16 and batch >= 1")

@@ -14,6 +14,13 @@ state once.
 
 Observe = `step(batch)`; it is a `TrainedMethod`, so the job's loop checkpoints and resumes it.
 
+Two memory recipes (`--heal-memory`, docs/heal.md "Memory"): `fast` keeps every activation for
+the backward pass and trains with AdamW (two fp32 moments a weight); `lean` checkpoints the
+activations per block (a block's forward keeps only its input and is recomputed in the backward:
+the same gradients, about a third more compute) and trains with Adafactor (torch.optim.Adafactor:
+a factored second moment, a row and a column per matrix, no first moment), which is what lets
+one 80 GB GPU heal an 8B model.
+
 Several processes (`torch.distributed`, any backend: NCCL on GPUs, gloo on CPUs) train data
 parallel: every rank holds the student and the teacher, takes its share of each step's batch
 (sequences rank, rank + world, ...), and the gradients are summed across ranks before the step,
@@ -31,7 +38,13 @@ import torch.nn.functional as F
 
 from optimizer.methods.base import TrainedMethod
 
-ALGORITHM = "heal-1: logit KL(teacher || student), chunked; blocks and final norm train; AdamW, cosine"
+ALGORITHM = "heal-1: logit KL(teacher || student), chunked; blocks and final norm train; AdamW or Adafactor, cosine"
+
+# Each optimizer's peak and final learning rate by default. AdamW's is absolute (selected:
+# bench/results/heal-select/); Adafactor's step is relative to each weight's RMS, and 1e-2 (torch's
+# default) is about AdamW's 3e-4 on SmolLM2's linear weights (RMS ~0.03); its end keeps AdamW's
+# ratio of a thirtieth.
+OPTIMIZER_LR = {"adamw": (3e-4, 1e-5), "adafactor": (1e-2, 1e-2 / 30)}
 
 
 @dataclass
@@ -44,11 +57,15 @@ class HealConfig:
     grad_clip: float = 1.0
     kl_chunk: int = 256            # tokens of logits held at once
     dtype: str = "float32"         # "bfloat16": forward passes under autocast (weights, states fp32)
+    optimizer: str = "adamw"       # adamw | adafactor (OPTIMIZER_LR)
+    checkpointing: bool = False    # recompute each block's activations in the backward pass
     seed: int = 0
 
 
 class Distillation(TrainedMethod):
-    def __init__(self, student, teacher, cfg: HealConfig, keep: dict[str, torch.Tensor] | None = None):
+    def __init__(self, student, teacher, cfg: HealConfig, keep: dict[str, torch.Tensor] | None = None,
+                 blocks=None):
+        """`blocks`: the student's decoder blocks, which `cfg.checkpointing` wraps (adapter.blocks)."""
         self.student, self.teacher, self.cfg = student, teacher, cfg
         frozen = {id(p) for m in (student.get_input_embeddings(), student.get_output_embeddings()) for p in m.parameters()}
         self.params = {n: p for n, p in student.named_parameters() if id(p) not in frozen}
@@ -57,7 +74,16 @@ class Distillation(TrainedMethod):
         for p in teacher.parameters():
             p.requires_grad_(False)
         self.keep = keep or {}
-        self.opt = torch.optim.AdamW(list(self.params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        params = list(self.params.values())
+        if cfg.optimizer == "adamw":
+            self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        elif cfg.optimizer == "adafactor":
+            self.opt = torch.optim.Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        else:
+            raise ValueError(f"unknown heal optimizer {cfg.optimizer!r}")
+        if cfg.checkpointing and blocks is None:
+            raise ValueError("activation checkpointing needs the student's blocks")
+        self._unwrap = checkpoint_blocks(blocks) if cfg.checkpointing else None
         self.step_count = 0
         self.start_digest = digest(self.params)
         student.train(False)  # no dropout: the student is compared token for token with the teacher
@@ -95,6 +121,9 @@ class Distillation(TrainedMethod):
     def close(self) -> None:
         for p in self.student.parameters():
             p.requires_grad_(False)
+        if self._unwrap:
+            self._unwrap()
+            self._unwrap = None
 
     # --- checkpoint / resume ---------------------------------------------------------------
     def identity(self) -> dict:
@@ -113,10 +142,40 @@ class Distillation(TrainedMethod):
         torch.set_rng_state(state["rng"])
 
     def state_bytes(self) -> dict:
-        """Bytes of what training holds beside the two models: gradients and Adam's moments."""
+        """Bytes of what training holds beside the teacher: the trainable weights, their gradients
+        (as large), and the optimizer's state as it is (after a step: AdamW's two moments, or
+        Adafactor's rows and columns)."""
         trainable = sum(p.numel() * p.element_size() for p in self.params.values())
-        return {"trainable_params": sum(p.numel() for p in self.params.values()),
-                "weights": trainable, "grads": trainable, "adam": 2 * trainable}
+        state = sum(t.numel() * t.element_size() for st in self.opt.state.values() for t in st.values()
+                    if torch.is_tensor(t) and t.dim() > 0)
+        return {"trainable_params": sum(p.numel() for p in self.params.values()), "weights": trainable,
+                "grads": trainable, "optimizer": self.cfg.optimizer, "optimizer_state": state}
+
+
+def checkpoint_blocks(blocks):
+    """Activation checkpointing: each block's forward, while gradients are recorded, keeps only its
+    inputs and recomputes itself in the backward pass (torch.utils.checkpoint, non-reentrant, the
+    autocast and RNG state replayed: the same gradients). Returns the function that unwraps them."""
+    from torch.utils.checkpoint import checkpoint
+    wrapped = []
+    for block in blocks:
+        own = block.__dict__.get("forward")  # a forward set on the instance (a hook library's), else None
+        forward = block.forward
+
+        def recomputed(*args, _forward=forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+        block.forward = recomputed
+        wrapped.append((block, own))
+
+    def unwrap() -> None:
+        for block, own in wrapped:
+            if own is None:
+                del block.forward
+            else:
+                block.forward = own
+    return unwrap
 
 
 def _rank_world() -> tuple[int, int]:
@@ -243,9 +302,14 @@ def heal(job, model):
     chunks, source = job.heal_data or heal_chunks(job)
     seq = chunks.shape[1]  # config.heal_seq_len
     steps = max(1, s.tokens // (s.batch * seq))
-    hcfg = HealConfig(steps=steps, lr=s.lr, seed=cfg.seed,
-                      dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."))
+    optimizer = "adafactor" if s.memory == "lean" else "adamw"
+    lr, lr_end = OPTIMIZER_LR[optimizer]
+    hcfg = HealConfig(steps=steps, lr=s.lr or lr, lr_end=lr_end if s.lr is None else s.lr * lr_end / lr,
+                      seed=cfg.seed, dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."),
+                      optimizer=optimizer, checkpointing=s.memory == "lean")
     keep = zero_masks(model, job.adapter) if job.plan.sparsity else None
+    if s.memory == "lean":  # the teacher only runs forward passes (under autocast): bf16 halves it
+        job.teacher.to(torch.bfloat16)
     before = {}
     if job.evaluation is not None:
         before["perplexity"] = evaluate.perplexity(model, job.evaluation.windows, "perplexity (before healing)")
@@ -254,7 +318,7 @@ def heal(job, model):
     held_out = job.calib.held_out[:, :1024]
     before["held_out_kd"] = kd_eval(model, job.teacher, held_out)
     started = time.time()
-    distil = Distillation(model, job.teacher, hcfg, keep)
+    distil = Distillation(model, job.teacher, hcfg, keep, blocks=job.adapter.blocks(model))
     ckpt = job.checkpoint("heal", [vars(hcfg), seq, s.batch, source, distil.start_digest])
     run = job.train(distil, chunks, steps, s.batch, ckpt, "healing",
                     lambda st: {"kd": f"{st['kd']:.3f}", "lr": f"{st['lr']:.1e}"}, max_time_s=s.time_s)

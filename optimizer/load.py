@@ -188,14 +188,34 @@ def _our_per_layer_package(path: Path) -> bool:
         return False
 
 
+def _sparsity_only(path: Path) -> bool:
+    """config.json's quantization_config is compressed-tensors with a sparsity description of
+    dense-stored weights and no quantization groups (what our 2:4 packages carry for vLLM)."""
+    try:
+        q = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return False
+    return (q.get("quant_method") == "compressed-tensors" and not q.get("config_groups")
+            and (q.get("sparsity_config") or {}).get("format") == "dense")
+
+
 def load_model(source: ModelSource, dtype=None):
     """Load (model, tokenizer) from a resolved source, in eval mode, fp32 by default."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     ours = _our_per_layer_package(Path(source.hf_dir))
+    extra = {}
+    if _sparsity_only(Path(source.hf_dir)):
+        # A 2:4 package's compressed-tensors config describes dense-stored weights and no
+        # quantization; transformers' compressed-tensors loader fails on a config without
+        # quantization groups, and has nothing to do for it: load the weights as they are.
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(source.hf_dir, trust_remote_code=ours)
+        del config.quantization_config
+        extra["config"] = config
     try:
         model = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=dtype or torch.float32,
-                                                     trust_remote_code=ours)
+                                                     trust_remote_code=ours, **extra)
     except Exception as e:
         raise UserError(f"{source.description}: could not load the model "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None

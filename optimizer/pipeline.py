@@ -50,7 +50,8 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         log(why_target)
     log(plan.text())
     h = cfg.heal
-    log(f"heal: {h.tokens:,} tokens of distillation from the dense model after surgery (--no-heal to skip)"
+    lean = ", lean memory (Adafactor, activations recomputed per block)" if h.memory == "lean" else ""
+    log(f"heal: {h.tokens:,} tokens of distillation from the dense model after surgery{lean} (--no-heal to skip)"
         if h.tokens else "heal: off")
     if dry_run:
         return {"plan": plan, "dry_run": True}

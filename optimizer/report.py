@@ -24,6 +24,12 @@ def _zeroshot_lines(m: dict) -> list[str]:
     return lines
 
 
+def _recipe(c: dict) -> str:
+    """The heal config's optimizer and memory recipe, in words."""
+    opt = {"adamw": "AdamW", "adafactor": "Adafactor"}[c.get("optimizer", "adamw")]
+    return f"{opt} at {c['lr']:g}" + (", activations recomputed per block" if c.get("checkpointing") else "")
+
+
 def _heal_lines(m: dict) -> list[str]:
     h = m.get("heal")
     if not h:
@@ -32,7 +38,7 @@ def _heal_lines(m: dict) -> list[str]:
     b, a = h["before"], h["after"]
     lines = ["", "## Healing", "",
              f"Distilled from the dense model on {h['data']}: {h['tokens']:,} tokens in {h['steps']} steps "
-             f"({h['wall_s']:.0f} s, peak {h['peak_rss_gib']:.1f} GiB resident"
+             f"({h['wall_s']:.0f} s, peak {h['peak_rss_gib']:.1f} GiB resident; {_recipe(h['config'])}"
              + (", stopped by the time cap" if h["stopped_by_time"] else "") + ").",
              f"KL to the dense model on the held-out calibration window: {b['held_out_kd']:.4f} before, "
              f"{a['held_out_kd']:.4f} after."]

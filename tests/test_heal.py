@@ -81,6 +81,50 @@ def test_healing_lowers_the_kd_loss_on_held_out_text_and_leaves_the_teacher_and_
     assert student.get_output_embeddings().weight is student.get_input_embeddings().weight
 
 
+def test_recomputed_activations_give_the_same_step_and_unwrap_on_close():
+    """--heal-memory lean's activation checkpointing changes the memory, not the training."""
+    teacher = tiny_model("llama")
+    batch = _data(teacher, 2, 40)
+    steps = {}
+    for recompute in (False, True):
+        student = _pruned(teacher)
+        blocks = get_adapter(student.config).blocks(student)
+        d = Distillation(student, teacher, HealConfig(steps=2, lr=1e-2, dtype="bfloat16", checkpointing=recompute),
+                         blocks=blocks)
+        assert all(("forward" in b.__dict__) == recompute for b in blocks)
+        steps[recompute] = [d.step(batch)["kd"] for _ in range(2)], dict(d.params)
+        d.close()
+        assert not any("forward" in b.__dict__ for b in blocks)
+    (kd_kept, kept), (kd_recomputed, recomputed) = steps[False], steps[True]
+    assert kd_kept == pytest.approx(kd_recomputed, rel=1e-6)
+    for n, p in kept.items():
+        torch.testing.assert_close(p, recomputed[n], atol=1e-6, rtol=1e-5)
+
+
+def test_lean_memory_heals_with_a_factored_optimizer_state():
+    """Adafactor (--heal-memory lean) lowers the held-out KL too, with a state of a row and a
+    column per matrix instead of AdamW's two full moments."""
+    from optimizer.heal import OPTIMIZER_LR
+    teacher = tiny_model("llama")
+    train = _data(teacher, 4, 64).repeat(4, 1)
+    held_out = train[:2, :48].clone()
+    mem = {}
+    for opt in ("adamw", "adafactor"):
+        student = _pruned(teacher)
+        start = kd_eval(student, teacher, held_out)
+        lr = OPTIMIZER_LR[opt][0] * 10  # the tiny model learns fast at ten times the default
+        d = Distillation(student, teacher, HealConfig(steps=12, lr=lr, lr_end=lr / 10, optimizer=opt,
+                                                      checkpointing=opt == "adafactor"),
+                         blocks=get_adapter(student.config).blocks(student))
+        for i in range(12):
+            d.step(train[i % len(train)][None])
+        d.close()
+        assert kd_eval(student, teacher, held_out) < 0.7 * start, opt
+        mem[opt] = d.state_bytes()
+    assert mem["adamw"]["optimizer_state"] == 2 * mem["adamw"]["weights"]
+    assert 0 < mem["adafactor"]["optimizer_state"] < 0.2 * mem["adafactor"]["weights"]
+
+
 def test_semi_structured_zeros_stay_zero_bit_for_bit():
     teacher = tiny_model("llama")
     student = copy.deepcopy(teacher)
@@ -89,14 +133,15 @@ def test_semi_structured_zeros_stay_zero_bit_for_bit():
     keep = zero_masks(student, adapter)
     assert len(keep) == 2 * 7  # every Linear of both blocks
     zeros = {n: (p == 0) for n, p in student.named_parameters() if n in keep}
-    distil = Distillation(student, teacher, HealConfig(steps=5, lr=1e-2), keep)
     start = {n: p.detach().clone() for n, p in student.named_parameters()}
-    for i in range(5):
-        distil.step(_data(teacher, 2, 32, seed=i))
-    params = dict(student.named_parameters())
-    for n, z in zeros.items():
-        assert (params[n][z] == 0).all() and not torch.equal(params[n], start[n])
-        assert parse("2:4").complies(params[n].detach().to(torch.bfloat16))
+    for opt in ("adamw", "adafactor"):  # --heal-memory fast and lean
+        distil = Distillation(student, teacher, HealConfig(steps=5, lr=1e-2, optimizer=opt), keep)
+        for i in range(5):
+            distil.step(_data(teacher, 2, 32, seed=i))
+        params = dict(student.named_parameters())
+        for n, z in zeros.items():
+            assert (params[n][z] == 0).all() and not torch.equal(params[n], start[n]), opt
+            assert parse("2:4").complies(params[n].detach().to(torch.bfloat16))
 
 
 def test_resume_continues_the_same_run(tmp_path):
@@ -137,8 +182,27 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
     h = m["heal"]
     assert h["tokens"] == 8192 and h["steps"] == 2 and h["data"].startswith("files ")
     assert "perplexity" in h["before"] and h["before"]["perplexity"] != m["quality"]["perplexity"]["pruned"]
-    assert h["memory_bytes"]["adam"] == 2 * h["memory_bytes"]["weights"]
-    assert "## Healing" in (out / "report.md").read_text()
+    assert h["memory_bytes"]["optimizer_state"] == 2 * h["memory_bytes"]["weights"]  # AdamW's two moments
+    assert h["config"]["optimizer"] == "adamw" and h["config"]["lr"] == 3e-4 and h["config"]["lr_end"] == 1e-5
+    assert "AdamW at 0.0003" in (out / "report.md").read_text()
+
+
+def test_optimize_heals_with_lean_memory(tiny_dirs, text_file, tmp_path):
+    from optimizer.cli import optimize
+    other = tmp_path / "heal.txt"
+    other.write_text(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)))
+    out = tmp_path / "pkg"
+    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
+                                      "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
+                                      "--heal-data", str(other), "--heal-tokens", "4096", "--seq-len", "128",
+                                      "--heal-memory", "lean", "--calib-windows", "2", "--eval-windows", "1",
+                                      "-o", str(out)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "lean memory (Adafactor, activations recomputed per block)" in r.output
+    h = json.loads((out / "manifest.json").read_text())["heal"]
+    assert h["config"]["optimizer"] == "adafactor" and h["config"]["checkpointing"] and h["config"]["lr"] == 1e-2
+    assert h["after"]["held_out_kd"] < h["before"]["held_out_kd"]
+    assert "Adafactor at 0.01, activations recomputed per block" in (out / "report.md").read_text()
 
 
 def test_optimize_scores_zero_shot_dense_before_and_after_healing(tiny_dirs, text_file, tmp_path):
@@ -165,8 +229,10 @@ def test_the_default_heal_budget_and_chat_answers(tokenizer):
     from optimizer.config import HealSettings
     from optimizer.heal import AUTO_CHAT, chat_answers
     defaults = {p.name: p.default for p in optimize.params}
-    assert defaults["heal_tokens"] == HealSettings.tokens > 0 and defaults["heal_lr"] == HealSettings.lr
-    assert defaults["heal_chat"] in (None, getattr(click.core, "UNSET", None)) and HealSettings.chat is None  # no default: auto
+    unset = (None, getattr(click.core, "UNSET", None))
+    assert defaults["heal_tokens"] == HealSettings.tokens > 0 and defaults["heal_memory"] == HealSettings.memory
+    assert defaults["heal_lr"] in unset and HealSettings.lr is None  # no default: the optimizer's
+    assert defaults["heal_chat"] in unset and HealSettings.chat is None  # no default: auto
     chat = copy.copy(tokenizer)
     chat.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     plain = copy.copy(tokenizer)
@@ -180,6 +246,8 @@ def test_the_default_heal_budget_and_chat_answers(tokenizer):
     (["--heal-tokens", "100"], "less than one step"),
     (["--heal-tokens", "8192", "--heal-time", "0"], "--heal-time"),
     (["--heal-tokens", "8192", "--heal-data", "/no/such/file.txt"], "no such file"),
+    (["--heal-tokens", "8192", "--heal-lr", "0"], "the heal learning rate > 0"),
+    (["--heal-memory", "tiny"], "--heal-memory"),
 ])
 def test_bad_heal_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, args, message):
     from optimizer.cli import optimize

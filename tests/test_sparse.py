@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from conftest import FAMILIES, tiny_model
-from optimizer import plan as planner
+from optimizer import load, plan as planner
 from optimizer.adapters import get_adapter
 from optimizer.cli import optimize as optimize_cmd
 from optimizer.errors import UserError
@@ -198,6 +198,10 @@ def test_package_carries_the_2_4_config_only_for_an_engine_with_the_kernel(tiny_
     assert "v0.18.0" in (tmp_path / "k" / "Dockerfile").read_text()
     assert sparse24_fallback(man, installed="0.18.0") == []
     assert sparse24_fallback(man, installed="0.32.0")[0] == "--hf-overrides"
+    model, _ = load.load_model(load.resolve(str(tmp_path / "k")))  # evaluate / bench read it (no quantization)
+    for block in get_adapter(model.config).blocks(model):
+        for lin in get_adapter(model.config).linears(block).values():
+            assert parse("2:4").complies(lin.weight)
 
     r = _optimize([*common, "--target", "a100", "--method", "wanda", "--sparsity", "4:8", "-o", str(tmp_path / "n")],
                   tmp_path)
