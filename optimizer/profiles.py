@@ -10,7 +10,7 @@ and maps the GPU that NVML reports to a profile for ``--target auto``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -27,8 +27,12 @@ _KEYS = (
     "memory_bandwidth_gbps", "peak_tflops", "sparse_tensor_cores", "nvml_names",
     "engines", "sources",
 )
-_PEAK_KEYS = ("bf16_dense", "bf16_sparse24", "fp32")
-_ENGINE_KEYS = ("sparse24_kernel", "note")
+_PEAK_KEYS = ("bf16_dense", "bf16_sparse24", "fp32")  # int8_dense, fp8_dense: optional (null: none)
+_ENGINE_KEYS = ("sparse24_kernel", "note")           # quant_kernels, quant_note: optional
+# --quant's precisions: FP8 E4M3 weights and dynamic per-token activations; INT8 per-channel
+# weights and dynamic per-token int8 activations; 4-bit grouped weights, 16-bit activations.
+QUANT_PRECISIONS = ("fp8", "int8", "w4a16")
+QUANT_NAMES = {"fp8": "FP8 W8A8", "int8": "INT8 W8A8", "w4a16": "W4A16", "none": "16-bit weights"}
 _ENGINE_NAMES = {"vllm": "vLLM", "onnxruntime": "ONNX Runtime"}
 
 
@@ -36,6 +40,8 @@ _ENGINE_NAMES = {"vllm": "vLLM", "onnxruntime": "ONNX Runtime"}
 class EngineSupport:
     sparse24_kernel: tuple[str, ...]  # PEP 440 specifier sets; any one matching is enough
     note: str
+    quant_kernels: dict[str, tuple[str, ...]] = field(default_factory=dict)  # precision -> specifier sets
+    quant_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class Profile:
     peak_bf16_dense_tflops: float
     peak_bf16_sparse24_tflops: float | None
     peak_fp32_tflops: float
+    peak_int8_dense_tops: float | None
+    peak_fp8_dense_tflops: float | None
     sparse_tensor_cores: bool
     nvml_names: tuple[str, ...]
     engines: dict[str, EngineSupport]
@@ -66,6 +74,31 @@ class Profile:
             return False
         return any(SpecifierSet(s).contains(parsed, prereleases=True)
                    for s in support.sparse24_kernel)
+
+    def has_quant_kernel(self, engine: str, version: str, precision: str) -> bool:
+        """True when `engine` at `version` runs `precision` (QUANT_PRECISIONS) with a kernel of its
+        own on this hardware (not a weight-only or emulated fallback)."""
+        support = self.engines.get(engine)
+        parsed = _parse_version(version)
+        if support is None or parsed is None:
+            return False
+        return any(SpecifierSet(s).contains(parsed, prereleases=True)
+                   for s in support.quant_kernels.get(precision, ()))
+
+    def choose_quant(self, engine: str, version: str) -> tuple[str, str]:
+        """`--quant auto`: FP8 W8A8 where the engine has an FP8 kernel here, else INT8 W8A8 where it
+        has an INT8 one, else none (16-bit weights); W4A16 only on request (it speeds up
+        memory-bound decode, not compute). Returns (precision, one sentence saying why)."""
+        where = self.short_name + (f" (SM {self.compute_capability})" if self.compute_capability else "")
+        label = f"{where} + {_ENGINE_NAMES.get(engine, engine)} {version}"
+        support = self.engines.get(engine)
+        note = f" ({support.quant_note})" if support and support.quant_note else ""
+        for precision, peak in (("fp8", self.peak_fp8_dense_tflops), ("int8", self.peak_int8_dense_tops)):
+            if self.has_quant_kernel(engine, version, precision):
+                unit = "TFLOP/s" if precision == "fp8" else "TOPS"
+                gain = f", {peak:g} {unit} against bf16's {self.peak_bf16_dense_tflops:g} TFLOP/s" if peak else ""
+                return precision, f"{label}: {QUANT_NAMES[precision]} kernel{gain}{note}"
+        return "none", f"{label}: no FP8 or INT8 W8A8 kernel, 16-bit weights{note}"
 
     def sparse24_reason(self, engine: str, version: str) -> str:
         """One sentence saying why there is, or is not, a 2:4 kernel."""
@@ -120,7 +153,20 @@ def _load_file(path: Path) -> Profile:
             except InvalidSpecifier:
                 raise UserError(f"profile file {path}: engines.{engine}.sparse24_kernel "
                                 f"has an invalid version specifier {spec!r}") from None
-        engines[engine] = EngineSupport(tuple(entry["sparse24_kernel"]), str(entry["note"]))
+        kernels = entry.get("quant_kernels") or {}
+        unknown = set(kernels) - set(QUANT_PRECISIONS)
+        if unknown:
+            raise UserError(f"profile file {path}: engines.{engine}.quant_kernels has unknown precisions "
+                            f"{sorted(unknown)}; known: {', '.join(QUANT_PRECISIONS)}")
+        for spec in (s for specs in kernels.values() for s in specs):
+            try:
+                SpecifierSet(spec)
+            except InvalidSpecifier:
+                raise UserError(f"profile file {path}: engines.{engine}.quant_kernels "
+                                f"has an invalid version specifier {spec!r}") from None
+        engines[engine] = EngineSupport(tuple(entry["sparse24_kernel"]), str(entry["note"]),
+                                        {k: tuple(v or ()) for k, v in kernels.items()},
+                                        str(entry.get("quant_note") or ""))
     peak = data["peak_tflops"]
     cc = data["compute_capability"]
     return Profile(
@@ -135,6 +181,8 @@ def _load_file(path: Path) -> Profile:
         peak_bf16_sparse24_tflops=None if peak["bf16_sparse24"] is None
         else float(peak["bf16_sparse24"]),
         peak_fp32_tflops=float(peak["fp32"]),
+        peak_int8_dense_tops=None if peak.get("int8_dense") is None else float(peak["int8_dense"]),
+        peak_fp8_dense_tflops=None if peak.get("fp8_dense") is None else float(peak["fp8_dense"]),
         sparse_tensor_cores=bool(data["sparse_tensor_cores"]),
         nvml_names=tuple(data["nvml_names"] or ()),
         engines=engines,
@@ -261,10 +309,14 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:g}"
 
 
-def format_profiles_table(profiles) -> str:
-    """Plain-text table for the `profiles` command."""
-    header = ("name", "GPU", "SM", "memory", "bandwidth", "bf16 dense", "bf16 2:4",
-              "2:4 in vLLM")
+def format_profiles_table(profiles, engine_version: str | None = None) -> str:
+    """Plain-text table for the `profiles` command; `--quant auto` as chosen for vLLM at
+    `engine_version` (default: the planner's)."""
+    if engine_version is None:
+        from optimizer.plan import DEFAULT_VLLM
+        engine_version = DEFAULT_VLLM
+    header = ("name", "GPU", "SM", "memory", "bandwidth", "bf16 dense", "bf16 2:4", "int8", "fp8",
+              "2:4 in vLLM", f"--quant auto (vLLM {engine_version})")
     rows = []
     for p in profiles:
         vllm = p.engines.get("vllm")
@@ -272,7 +324,8 @@ def format_profiles_table(profiles) -> str:
         rows.append((
             p.name, p.display_name, p.compute_capability or "-", f"{p.memory_gib:g} GiB",
             f"{p.memory_bandwidth_gbps:g} GB/s", _num(p.peak_bf16_dense_tflops),
-            _num(p.peak_bf16_sparse24_tflops), kernel,
+            _num(p.peak_bf16_sparse24_tflops), _num(p.peak_int8_dense_tops), _num(p.peak_fp8_dense_tflops),
+            kernel, p.choose_quant("vllm", engine_version)[0],
         ))
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()

@@ -164,6 +164,44 @@ def test_profiles_table_lists_every_profile():
         assert p.name in table
     h100_row = next(l for l in table.splitlines() if l.startswith("h100 "))
     a100_row = next(l for l in table.splitlines() if l.startswith("a100 "))
-    assert "<=0.18.0" in h100_row
-    assert a100_row.rstrip().endswith("no")
+    assert "<=0.18.0" in h100_row and h100_row.rstrip().endswith("fp8")
+    assert a100_row.rstrip().endswith("int8") and "--quant auto (vLLM" in table.splitlines()[0]
+
+
+# --quant auto: the precision each target's tensor cores and vLLM's kernels accelerate (issue 26)
+QUANT_MATRIX = {"0.32.0": {"a100": "int8", "t4": "int8", "cpu": "int8", "v100": "none", "h100": "fp8", "h200": "fp8",
+                           "l4": "fp8", "l40s": "fp8", "rtx4090": "fp8", "b200": "fp8", "rtx5090": "fp8"},
+                "0.8.0": {"b200": "none", "rtx5090": "none", "h100": "fp8", "a100": "int8", "cpu": "int8"},
+                "0.4.0": {p: "none" for p in ("a100", "h100", "cpu", "l4", "t4")}}
+
+
+@pytest.mark.parametrize("version", QUANT_MATRIX)
+def test_the_quant_choice_matrix(version):
+    for name, expected in QUANT_MATRIX[version].items():
+        precision, why = P.load_profile(name).choose_quant("vllm", version)
+        assert precision == expected, (name, version, why)
+        assert f"vLLM {version}" in why and (P.QUANT_NAMES[precision] in why or precision == "none")
+    assert set(QUANT_MATRIX["0.32.0"]) == {p.name for p in P.list_profiles()}  # every target in the matrix
+
+
+def test_no_fp8_w8a8_without_fp8_tensor_cores_and_no_int8_on_blackwell():
+    for p in P.list_profiles():
+        if p.has_quant_kernel("vllm", "0.32.0", "fp8"):
+            assert p.peak_fp8_dense_tflops, p.name
+        if p.compute_capability and float(p.compute_capability) >= 10:
+            assert not p.has_quant_kernel("vllm", "0.32.0", "int8"), p.name  # vLLM: not on SM >= 10.0
+    assert P.load_profile("cpu").has_quant_kernel("vllm", "0.32.0", "w4a16")
+
+
+def test_an_unknown_quant_precision_in_a_profile_is_an_error(tmp_path, monkeypatch):
+    text = (P.PROFILES_DIR / "a100.yaml").read_text().replace("      w4a16:", "      int4:")
+    (tmp_path / "a100.yaml").write_text(text)
+    monkeypatch.setattr(P, "PROFILES_DIR", tmp_path)
+    P._all_profiles.cache_clear()
+    try:
+        with pytest.raises(UserError, match=r"a100\.yaml.*quant_kernels.*int4"):
+            P.list_profiles()
+    finally:
+        monkeypatch.undo()
+        P._all_profiles.cache_clear()
 
