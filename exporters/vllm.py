@@ -66,9 +66,18 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
     `config_extra` is merged into config.json as written (e.g. a compressed-tensors
     `quantization_config`), where transformers' config object would reinterpret it.
     """
-    model = model.to(dtype)
+    compressor = None
+    if any(getattr(m, "quantization_scheme", None) is not None for m in model.modules()):
+        # --quant (optimizer/quantize.py): the weights become the checkpoint's int8 / fp8 tensors
+        # and scales, and compressed-tensors writes the quantization_config vLLM reads
+        from compressed_tensors.compressors import ModelCompressor
+        compressor = ModelCompressor.from_pretrained_model(model)
+        compressor.compress_model(model)
+    model = model.to(dtype)  # floating tensors only: int8 weights stay int8
     model.config.dtype = dtype
     model.save_pretrained(tmp, safe_serialization=True)
+    if compressor is not None:
+        compressor.update_config(str(tmp))
     if config_extra:
         cfg_path = tmp / "config.json"
         cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **config_extra}, indent=2) + "\n")

@@ -95,6 +95,9 @@ def one_line_errors(fn):
                    "(a quarter of the heal sequences), so an Instruct model keeps its chat behaviour "
                    "(default: 40 where the model has a chat template, else 0).")
 @click.option("--no-heal", is_flag=True, help="Do not heal, whatever --heal-tokens says.")
+@click.option("--quant", default="none", show_default=True,
+              help="Quantize the pruned (and healed) weights: auto (the precision the target's tensor cores and "
+                   "the engine's kernels accelerate: `profiles`), int8 (W8A8), fp8 (W8A8, E4M3), or none.")
 @click.option("--zeroshot", default=0, show_default=True,
               help="Score this many documents of each zero-shot task (ARC-Easy, PIQA, HellaSwag; seed 1234): "
                    "dense, before and after healing, in the report (minutes for 500).")
@@ -102,7 +105,7 @@ def one_line_errors(fn):
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads, budget, layout, steps, ddp_batch, ddp_seq_len, ddp_lr, ddp_lr_end,
              ddp_beta, resume, si_steps, roi_steps, roi_seq_len, roi_prior, calib_dtype, refit, refit_damp,
-             heal_tokens, heal_time, heal_data, heal_lr, heal_memory, heal_chat, no_heal, zeroshot):
+             heal_tokens, heal_time, heal_data, heal_lr, heal_memory, heal_chat, no_heal, quant, zeroshot):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
@@ -124,7 +127,7 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
                        si=SISettings(steps=si_steps),
                        heal=HealSettings(tokens=0 if no_heal else heal_tokens, time_s=heal_time,
                                          data=list(heal_data) or None, lr=heal_lr, memory=heal_memory, chat=heal_chat),
-                       zeroshot=zeroshot),
+                       quant=quant, zeroshot=zeroshot),
         dry_run=dry_run)
 
 

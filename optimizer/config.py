@@ -16,6 +16,7 @@ from optimizer.errors import UserError
 
 FORMATS = ("vllm", "onnx")
 HEAL_MEMORY = ("fast", "lean")
+QUANT = ("none", "auto", "int8", "fp8", "w4a16")
 LAYOUTS = ("uniform", "per-layer")
 BUDGETS = ("params", "latency")
 
@@ -113,6 +114,7 @@ class OptimizeConfig:
     roi: RoISettings = field(default_factory=RoISettings)
     si: SISettings = field(default_factory=SISettings)
     heal: HealSettings = field(default_factory=HealSettings)
+    quant: str = "none"               # none | auto (the target's choice) | int8 | fp8 (optimizer/quantize.py)
     zeroshot: int = 0                 # documents per zero-shot task (ARC-Easy, PIQA, HellaSwag) scored
                                       # dense / before / after healing; 0: none
 
@@ -154,6 +156,17 @@ def validate(cfg: OptimizeConfig) -> None:
             raise UserError("--layout applies to structured methods; semi-structured pruning keeps every shape")
         if cfg.refit is not None:
             raise UserError("--refit applies to structured methods (removed heads and channels), not semi-structured ones")
+    if cfg.quant not in QUANT:
+        raise UserError(f"unknown --quant '{cfg.quant}'; choose from: {', '.join(QUANT)}")
+    if cfg.quant == "w4a16":
+        raise UserError("--quant w4a16 is not written yet (GPTQ-style 4-bit weights); int8 and fp8 are")
+    if cfg.quant != "none":
+        if cfg.format != "vllm":
+            raise UserError("--quant applies to vLLM packages; ONNX packages are not quantized yet (use --quant none)")
+        if cfg.layout != "uniform":
+            raise UserError("--quant with --layout per-layer is not written yet: use the uniform layout or --quant none")
+        if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":
+            raise UserError("--quant applies to structured packages; semi-structured ones are not quantized yet")
     h = cfg.heal
     if h.memory not in HEAL_MEMORY:
         raise UserError(f"unknown --heal-memory '{h.memory}'; choose from: {', '.join(HEAL_MEMORY)}")

@@ -28,8 +28,10 @@ Stages between surgery and evaluation take the deployable model and return it, s
                                  job.teacher, the dense model (a copy where the kind edits
                                  job.model in place): weights change, shapes and zeros never do;
                                  trains through `job.train`; the manifest gains a "heal" section
-  quantize(job, model) → model   (to come) weights (and activations) to the target's precision;
-                                 the manifest gains a quantization section
+  quantize(job, model) → model   (optimizer/quantize.py, with --quant) the block Linears to the
+                                 plan's precision, fake-quantized from then on (evaluation
+                                 measures the quantized model); the manifest gains a
+                                 "quantization" section; the exporter compresses the weights
 A stage that trains checkpoints through `job.train`, keyed by `job.checkpoint(...)`, which
 hashes the model's and the calibration text's *content* with the stage's settings.
 
@@ -112,6 +114,7 @@ class Job:
     dense_zeroshot: dict | None = None       # --zeroshot
     heal_chat: str | None = None             # the teacher's chat answers (--heal-chat), written once
     heal_data: tuple | None = None           # (sequences, description), tokenized once by check_heal_data
+    quant_detail: dict | None = None         # --quant: the quantize stage's account
 
     # --- the skeleton ------------------------------------------------------------------------
     def run(self, kind) -> dict:
@@ -130,6 +133,9 @@ class Job:
         if heal:
             from optimizer.heal import heal as heal_stage
             model = heal_stage(self, model)
+        if self.plan.quant != "none":
+            from optimizer.quantize import quantize
+            model = quantize(self, model)
         quality = self.quality(model)
         manifest = self.manifest(kind.describe(self, decision, model), quality)
         kind.export(self, model, manifest)
@@ -261,14 +267,25 @@ class Job:
                        "compute_capability": t.compute_capability},
             "method": sections["method"],
             "quality": quality,
-            "size": sections["size"],
+            "size": self._size(sections["size"]),
             "plan": {"text": plan.text(), "reasons": plan.reasons, "prediction": plan.prediction,
                      "engine": plan.engine, "engine_version": plan.engine_version},
             "engine": sections["engine"],
             "checks": sections["checks"],
             **({"heal": self.heal_detail} if self.heal_detail else {}),
+            **({"quantization": self.quant_detail} if self.quant_detail else {}),
             "wall_s": round(time.time() - self.started, 1),
         }
+
+
+    def _size(self, size: dict) -> dict:
+        """The kind's size section, and with --quant the bytes the quantized checkpoint's
+        weights take, against the dense model in bf16."""
+        q = self.quant_detail
+        if not q:
+            return size
+        return {**size, "weight_bytes_quantized": q["weight_bytes"],
+                "ideal_ratio_quantized": size["bf16_bytes_dense"] / q["weight_bytes"]}
 
 
 def batch_indices(n: int, batch: int, step: int, seed: int) -> torch.Tensor:

@@ -30,6 +30,10 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     if plan.sparsity and cfg.format != "vllm":
         raise UserError(f"semi-structured packages are vLLM packages (onnxruntime has no 2:4 kernel); "
                         f"drop --format {cfg.format} or use --method structured")
+    if plan.sparsity and cfg.quant != "none":
+        raise UserError(f"the plan is semi-structured ({plan.method}), which is not quantized yet: "
+                        f"use --method structured or --quant none")
+    planner.choose_quant(plan, cfg.quant)
     source = load.resolve(cfg.model)
     from transformers import AutoConfig
     try:

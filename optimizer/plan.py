@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from optimizer.adapters import BlockShape, DecoderAdapter
 from optimizer.errors import UserError
-from optimizer.profiles import Profile
+from optimizer.profiles import QUANT_NAMES, Profile
 from runtime.package import installed_vllm_version  # noqa: F401  (the planner's default engine version)
 
 # auto / structured → the planner's structured method: the one-shot activation method, then
@@ -46,12 +46,17 @@ class Plan:
     prediction: dict = field(default_factory=dict)
     sparsity: str | None = None      # "2:4", "0.5", ... for the semi-structured family
     sparse_kernel: bool = False      # the engine will run this sparsity with a sparse kernel
+    quant: str = "none"              # the weights' precision: none | int8 | fp8 (optimizer/quantize.py)
+    quant_reason: str = ""
 
     def text(self) -> str:
         lines = [f"target: {self.target.display_name} ({self.target.name})",
                  f"engine: {self.engine} {self.engine_version}",
                  f"method: {self.method}" + (f" ({self.sparsity} sparsity)" if self.sparsity else "")]
         lines += [f"  why: {r}" for r in self.reasons]
+        if self.quant_reason:
+            lines.append(f"quantization: {QUANT_NAMES[self.quant]}")
+            lines.append(f"  why: {self.quant_reason}")
         if self.prediction:
             p = self.prediction
             lines.append(f"roofline on {self.target.name} (bf16, prompt {p['prompt_tokens']}, "
@@ -60,6 +65,24 @@ class Plan:
                          f"{p['decode_speedup_b16']:.2f}x at batch 16 "
                          f"(weight bytes {p['weight_bytes_ratio']:.2f}x smaller)")
         return "\n".join(lines)
+
+
+def choose_quant(plan: Plan, quant: str) -> None:
+    """--quant: `auto` takes the precision the target's tensor cores and the engine's kernels
+    accelerate (profiles.Profile.choose_quant); a named precision is taken as asked, with a
+    warning in the reason where the engine has no kernel for it on this target."""
+    if quant == "none":
+        return
+    auto, why = plan.target.choose_quant(plan.engine, plan.engine_version)
+    if quant == "auto":
+        plan.quant, plan.quant_reason = auto, why
+        return
+    plan.quant = quant
+    if plan.target.has_quant_kernel(plan.engine, plan.engine_version, quant):
+        plan.quant_reason = f"--quant {quant} requested; {why}"
+    else:
+        plan.quant_reason = (f"--quant {quant} requested, but {plan.engine} {plan.engine_version} has no "
+                             f"{QUANT_NAMES[quant]} kernel on {plan.target.short_name}: expect no speedup ({why})")
 
 
 def choose(target: Profile, method: str, engine: str = "vllm", engine_version: str | None = None,

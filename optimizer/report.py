@@ -24,6 +24,18 @@ def _zeroshot_lines(m: dict) -> list[str]:
     return lines
 
 
+def _quant_lines(m: dict) -> list[str]:
+    q = m.get("quantization")
+    if not q:
+        return []
+    size = m["size"]
+    return [f"- quantization: {q['scheme']} ({q['precision']}: weights {q['weights']}, activations "
+            f"{q['activations']}; {', '.join(q['ignore'])} and the embedding 16-bit), {q['linears']} Linear "
+            f"layers; weights {size['weight_bytes_quantized'] / 1e6:.0f} MB against the dense model's "
+            f"{size['bf16_bytes_dense'] / 1e6:.0f} MB in bf16 (ideal speedup from bytes: "
+            f"{size['ideal_ratio_quantized']:.2f}x)"]
+
+
 def _recipe(c: dict) -> str:
     """The heal config's optimizer and memory recipe, in words."""
     opt = {"adamw": "AdamW", "adafactor": "Adafactor"}[c.get("optimizer", "adamw")]
@@ -75,6 +87,7 @@ def render(m: dict) -> str:
            ("- refit: tried and not applied (it raised the held-out calibration loss "
             f"{meth['refit']['held_out_loss_before']:.4f} → {meth['refit']['held_out_loss_after']:.4f})")]
           if "refit" in meth else []),
+        *_quant_lines(m),
         "",
         "## Shape per block",
         "",

@@ -98,7 +98,8 @@ class Structured:
         shape, chosen, per_layer = x["shape"], x["chosen"], x.get("per_layer")
         job.plan.prediction = planner.roofline(target, adapter, config, shape)
         dense_params = sum(p.numel() for p in model.parameters())
-        pruned_params = sum(p.numel() for p in pruned.parameters())
+        pruned_params = sum(p.numel() for n, p in pruned.named_parameters()  # not --quant's scales
+                            if not n.endswith(("_scale", "_zero_point")))
         method = {"name": job.plan.method, "plan": job.plan.method, "layout": cfg.layout, "budget": cfg.budget,
                   "retain_requested": cfg.retain, "retain_achieved": chosen["retain"],
                   "retain_budget_achieved": chosen["retain_budget"],

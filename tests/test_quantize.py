@@ -1,0 +1,89 @@
+"""--quant: the quantize stage (optimizer/quantize.py) and the compressed-tensors package it writes."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from optimizer import load
+from optimizer.cli import optimize
+from optimizer.quantize import apply, quantized_bytes
+from tests.conftest import tiny_model
+
+
+def _optimize(tiny_dirs, text_file, out, *args):
+    return CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--method", "activation", "--retain", "0.6",
+                                         "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
+                                         "--calib-windows", "2", "--eval-windows", "1", "--no-heal", "-o", str(out),
+                                         *args], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("precision, dtype, tolerance", [("int8", torch.int8, 0.05), ("fp8", torch.float8_e4m3fn, 0.1)])
+def test_quantized_weights_are_the_presets_and_stay_close(precision, dtype, tolerance):
+    """Every block Linear fake-quantized (the head and embedding not), close to the 16-bit model;
+    compressed, its weights are the format's tensors with one scale per output channel."""
+    from compressed_tensors.compressors import ModelCompressor
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+    q = copy.deepcopy(model)
+    assert apply(q, precision) == 2 * 7  # q k v o gate up down, in both blocks
+    assert getattr(q.lm_head, "quantization_scheme", None) is None
+    with torch.no_grad():
+        out = q(ids).logits
+    assert 0 < (out - ref).abs().max() < tolerance * ref.abs().max()
+    b = quantized_bytes(q)
+    assert b["quantized_params"] == sum(m.weight.numel() for n, m in model.named_modules()
+                                        if isinstance(m, torch.nn.Linear) and n != "lm_head")
+    assert b["weight_bytes"] < b["bf16_bytes"]
+    ModelCompressor.from_pretrained_model(q).compress_model(q)
+    sd = q.state_dict()
+    w = sd["model.layers.0.mlp.down_proj.weight"]
+    assert w.dtype == dtype and sd["model.layers.0.mlp.down_proj.weight_scale"].shape == (w.shape[0], 1)
+
+
+def test_optimize_writes_an_int8_package_that_loads_and_matches_the_quantized_model(tiny_dirs, text_file, tmp_path):
+    out = tmp_path / "pkg"
+    r = _optimize(tiny_dirs, text_file, out, "--target", "a100", "--quant", "auto")
+    assert r.exit_code == 0, r.output
+    assert "quantization: INT8 W8A8" in r.output and "624 TOPS" in r.output
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "int-quantized"
+    assert cfg["ignore"] == ["lm_head"] and cfg["config_groups"]["group_0"]["input_activations"]["dynamic"]
+    m = json.loads((out / "manifest.json").read_text())
+    q = m["quantization"]
+    assert q["precision"] == "int8" and q["scheme"] == "W8A8" and q["linears"] == 14
+    assert m["size"]["ideal_ratio_quantized"] > m["size"]["ideal_ratio"]
+    assert "- quantization: W8A8" in (out / "report.md").read_text()
+    # the package reads back (evaluate, bench) as the model the job evaluated: same perplexity
+    model, _ = load.load_model(load.resolve(str(out)))
+    from optimizer import data, evaluate
+    tok = load.load_model(load.resolve(str(tiny_dirs["llama"])))[1]
+    windows = data.token_windows(tok, text_file.read_text(), 64, 1)
+    assert evaluate.perplexity(model, windows) == pytest.approx(m["quality"]["perplexity"]["pruned"], rel=2e-2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--quant", "int4"], "unknown --quant 'int4'"),
+    (["--quant", "w4a16"], "not written yet"),
+    (["--quant", "int8", "--format", "onnx"], "ONNX packages are not quantized yet"),
+    (["--quant", "int8", "--method", "sparsegpt"], "semi-structured ones are not quantized yet"),
+])
+def test_bad_quant_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, args, message):
+    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
+                                      "-o", str(tmp_path / "pkg"), *args])
+    assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_precision_without_a_kernel_says_so_in_the_plan(tiny_dirs, text_file, tmp_path):
+    r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--target", "a100", "--quant", "fp8", "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert "quantization: FP8 W8A8" in r.output and "has no FP8 W8A8 kernel on A100: expect no speedup" in r.output
+    r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--target", "v100", "--quant", "auto", "--dry-run")
+    assert "quantization: 16-bit weights" in r.output and "no FP8 or INT8 W8A8 kernel" in r.output
