@@ -81,7 +81,9 @@ def main() -> None:
                 "threads": args.threads}
     invocation = {"methods": args.methods, "retain": args.retain, "heal_tokens": args.heal_tokens,
                   "heal_memory": args.heal_memory, **benchlib.run_info()}
-    benchlib.update_result(path, {"protocol": {**protocol, "invocations": {invocation["command"]: invocation}},
+    # keyed by command and commit: the same command rerun at another commit is another invocation
+    key = f"{invocation['command']} @ {(invocation.get('commit') or 'unknown')[:7]}"
+    benchlib.update_result(path, {"protocol": {**protocol, "invocations": {key: invocation}},
                                   "runs": {}})
 
     source = load.resolve(None)
