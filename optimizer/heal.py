@@ -16,10 +16,10 @@ Observe = `step(batch)`; it is a `TrainedMethod`, so the job's loop checkpoints 
 
 Two memory recipes (`--heal-memory`, docs/heal.md "Memory"): `fast` keeps every activation for
 the backward pass and trains with AdamW (two fp32 moments a weight); `lean` checkpoints the
-activations per block (a block's forward keeps only its input and is recomputed in the backward:
-the same gradients, about a third more compute) and trains with Adafactor (torch.optim.Adafactor:
-a factored second moment, a row and a column per matrix, no first moment), which is what lets
-one 80 GB GPU heal an 8B model.
+activations per block (a block's forward keeps only its input and is recomputed in the
+backward: the same gradients, one more forward pass of each block), trains with Adafactor
+(torch.optim.Adafactor: a factored second moment, a row and a column per matrix, no first
+moment) and holds the teacher in bf16, which is what lets one 80 GB GPU heal an 8B model.
 
 Several processes (`torch.distributed`, any backend: NCCL on GPUs, gloo on CPUs) train data
 parallel: every rank holds the student and the teacher, takes its share of each step's batch

