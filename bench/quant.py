@@ -41,7 +41,6 @@ OURS = {  # variant: (retain, heal, quant)
     "r0.50-int8": (0.5, True, "int8"),
 }
 PEERS = {"peer-plain": "plain", "peer-sq-gptq": "smoothquant-gptq"}
-SMOOTH_WINDOWS = 4  # optimizer.quantize.SMOOTH_WINDOWS: the peer calibrates on the same windows
 
 
 def main() -> None:
@@ -62,6 +61,7 @@ def main() -> None:
 
     from optimizer import data, evaluate, load
     from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimize
+    from optimizer.quantize import SMOOTH_WINDOWS  # the peer calibrates on the windows our smoothing reads
     torch.set_num_threads(args.threads)
     peers = [v for v in args.variants if v in PEERS]
     if peers and not PEER_PYTHON.is_file():

@@ -12,8 +12,8 @@ time.
 
 After `quantize` the model runs fake-quantized in PyTorch (compressed-tensors' forward wrapper
 quantizes and dequantizes weights and activations on the fly), so the job's evaluation measures
-the quantized model, not the 16-bit one. `compress` turns it into the checkpoint's tensors (int8
-or fp8 weights and their scales) just before export; the model is not usable after it.
+the quantized model, not the 16-bit one. The vLLM exporter (`exporters/vllm.write_package`)
+compresses it into the checkpoint's tensors (int8 or fp8 weights and their scales).
 """
 
 from __future__ import annotations
@@ -147,16 +147,3 @@ def quantized_bytes(model) -> dict:
 def _is_qparam(module, p) -> bool:
     return any(p is getattr(module, name, None) for name in ("weight_scale", "weight_zero_point",
                                                               "input_scale", "input_zero_point"))
-
-
-def is_quantized(model) -> bool:
-    return any(getattr(m, "quantization_scheme", None) is not None for m in model.modules())
-
-
-def compress(model):
-    """Replace the fake-quantized weights by the checkpoint's (int8 / fp8 tensors and scales) and
-    return the compressor, whose `update_config(directory)` writes the quantization_config."""
-    from compressed_tensors.compressors import ModelCompressor
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    return compressor

@@ -99,11 +99,16 @@ def test_match_profile_unknown():
 def test_missing_key_names_file_and_key(tmp_path, monkeypatch):
     text = (P.PROFILES_DIR / "a100.yaml").read_text()
     broken = "\n".join(l for l in text.splitlines() if not l.startswith("memory_bandwidth_gbps"))
-    (tmp_path / "a100.yaml").write_text(broken)
+    _refused(tmp_path, monkeypatch, broken, r"a100\.yaml.*memory_bandwidth_gbps")
+
+
+def _refused(tmp_path, monkeypatch, a100_text: str, match: str) -> None:
+    """Loading the profiles with a100.yaml replaced by `a100_text` raises a UserError matching `match`."""
+    (tmp_path / "a100.yaml").write_text(a100_text)
     monkeypatch.setattr(P, "PROFILES_DIR", tmp_path)
     P._all_profiles.cache_clear()
     try:
-        with pytest.raises(UserError, match=r"a100\.yaml.*memory_bandwidth_gbps"):
+        with pytest.raises(UserError, match=match):
             P.list_profiles()
     finally:
         monkeypatch.undo()
@@ -195,13 +200,5 @@ def test_no_fp8_w8a8_without_fp8_tensor_cores_and_no_int8_on_blackwell():
 
 def test_an_unknown_quant_precision_in_a_profile_is_an_error(tmp_path, monkeypatch):
     text = (P.PROFILES_DIR / "a100.yaml").read_text().replace("      w4a16:", "      int4:")
-    (tmp_path / "a100.yaml").write_text(text)
-    monkeypatch.setattr(P, "PROFILES_DIR", tmp_path)
-    P._all_profiles.cache_clear()
-    try:
-        with pytest.raises(UserError, match=r"a100\.yaml.*quant_kernels.*int4"):
-            P.list_profiles()
-    finally:
-        monkeypatch.undo()
-        P._all_profiles.cache_clear()
+    _refused(tmp_path, monkeypatch, text, r"a100\.yaml.*quant_kernels.*int4")
 
