@@ -170,6 +170,14 @@ def write_result(path: str | Path, data: dict) -> Path:
     return path
 
 
+def show_and_write_result(path: str | Path, data: dict) -> Path:
+    """A one-row script's ending: print the result, write it once (write_result), say where."""
+    print(json.dumps(data, indent=1))
+    path = write_result(path, data)
+    print(f"wrote {path}")
+    return path
+
+
 def read_result(path: str | Path, default=None):
     path = Path(path)
     return json.loads(path.read_text()) if path.is_file() else default

@@ -34,7 +34,7 @@ import torch
 
 import benchlib
 from benchlib import ROOT
-from optimizer.pipeline import DataConfig, DDPSettings, OptimizeConfig, RefitSettings, optimize
+from optimizer.pipeline import DataConfig, DDPSettings, HealSettings, OptimizeConfig, RefitSettings, optimize
 
 
 def main() -> None:
@@ -107,7 +107,8 @@ def main() -> None:
             ddp=DDPSettings(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, lr_end=args.lr_end,
                             beta=args.beta),
             threads=args.threads, seed=args.seed, calib_dtype=args.calib_dtype,
-            refit=RefitSettings() if args.refit else None, resume=args.resume))["manifest"]
+            refit=RefitSettings() if args.refit else None, resume=args.resume,
+            heal=HealSettings(tokens=0)))["manifest"]  # the pruning methods, unhealed (bench/heal.py heals)
         q = m["quality"]["perplexity"]
         row = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),
                "shape": m["method"]["shape"], "retain_achieved": m["method"]["retain_achieved"],

@@ -11,11 +11,11 @@ imports only the standard library, so it loads here, where the product is not in
 
 import argparse
 import json
-import time
 
 import torch
 
 import benchlib  # bench/, this script's directory
+import peer_common
 
 # Bumped when the peer's recipe changes; bench/sparse.py reruns cached peer results of another.
 PEER_RECIPE = "2: blocks only (lm_head ignored)"
@@ -34,26 +34,14 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     run = benchlib.run_info()
-    torch.set_num_threads(a.threads)
-
-    from datasets import Dataset
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.pruning import SparseGPTModifier
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    windows = torch.load(a.windows)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(a.model)
-    ds = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
+    model, tok, windows, ds = peer_common.load(a.model, a.windows, a.threads)
     # "re:.*lm_head", not "lm_head": llm-compressor 0.14 names the head's Linear "lm_head." when
     # it matches ignores, so a plain "lm_head" never matched and the head was pruned to 2:4 too
     # (and with it SmolLM2's tied input embeddings): PPL 103.7 where the blocks alone give ~63.
     recipe = [SparseGPTModifier(sparsity=0.5, mask_structure=a.sparsity, targets=["Linear"], ignore=["re:.*lm_head"])]
     head_zeros_before = _zero_fraction(model.get_output_embeddings().weight)
-    started = time.time()
-    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=windows.shape[1],
-            num_calibration_samples=len(windows))
-    wall = time.time() - started
+    wall = peer_common.oneshot(model, ds, windows, recipe)
     head_zeros = _zero_fraction(model.get_output_embeddings().weight)
     if head_zeros > head_zeros_before + 0.01:  # (a GGUF-converted head has ~1% exact zeros already)
         raise SystemExit(f"the peer pruned lm_head ({head_zeros_before:.1%} → {head_zeros:.1%} zeros): "

@@ -16,11 +16,11 @@ ignored in both (it is tied to the embedding), as ours is.
 
 import argparse
 import json
-import time
 
 import torch
 
 import benchlib  # bench/, this script's directory
+import peer_common
 
 IGNORE = ["re:.*lm_head"]  # llm-compressor names the head's Linear "lm_head." when matching ignores
 
@@ -46,20 +46,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     run = benchlib.run_info()
-    torch.set_num_threads(a.threads)
-
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    windows = torch.load(a.windows)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(a.model)
-    ds = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
-    started = time.time()
-    oneshot(model=model, dataset=ds, recipe=recipe(a.recipe), max_seq_length=windows.shape[1],
-            num_calibration_samples=len(windows))
-    wall = time.time() - started
+    model, tok, windows, ds = peer_common.load(a.model, a.windows, a.threads)
+    wall = peer_common.oneshot(model, ds, windows, recipe(a.recipe))
     model = model.to(torch.bfloat16)
     model.save_pretrained(a.out, save_compressed=True)
     tok.save_pretrained(a.out)

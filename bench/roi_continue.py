@@ -22,7 +22,6 @@ hard mask every --eval-every steps and saves only with --save.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -92,10 +91,8 @@ def main() -> None:
               "pattern": str(sparsity), "schedule_steps": cfg.steps, "tau": roi.tau(), "scale": roi.scale(),
               "calib_windows": args.calib_windows, "eval_windows": args.eval_windows, "threads": args.threads,
               "trace": trace, **run}
-    print(json.dumps(result, indent=1))
     json_path = args.json or benchlib.run_dir("roi-continue") / f"roi-continue-{str(sparsity).replace(':', 'of')}.json"
-    benchlib.write_result(json_path, result)
-    print(f"wrote {json_path}")
+    benchlib.show_and_write_result(json_path, result)
 
 
 if __name__ == "__main__":

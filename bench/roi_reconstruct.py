@@ -16,7 +16,6 @@ bench/results/roi-reconstruct/<date>-<commit>/.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -78,10 +77,8 @@ def main() -> None:
               "eval_windows": args.eval_windows, "ppl_roi_mask": masked,
               "ppl_roi_mask_reconstructed": evaluate.perplexity(model, test, "reconstructed"),
               "reconstruct_s": round(time.time() - t0, 1), **run}
-    print(json.dumps(result, indent=1))
     json_path = args.json or benchlib.run_dir("roi-reconstruct") / f"roi-reconstruct-{str(sparsity).replace(':', 'of')}.json"
-    benchlib.write_result(json_path, result)
-    print(f"wrote {json_path}")
+    benchlib.show_and_write_result(json_path, result)
 
 
 if __name__ == "__main__":

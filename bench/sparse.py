@@ -37,7 +37,7 @@ import benchlib
 from benchlib import ROOT
 from optimizer import evaluate, load
 from optimizer.job import dense_perplexity
-from optimizer.pipeline import DataConfig, OptimizeConfig, RoISettings, SISettings, optimize
+from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, RoISettings, SISettings, optimize
 from peer_llmcompressor import PEER_RECIPE  # (bench/ is this script's directory)
 
 DEFAULT_RUNS = ["magnitude:2:4", "wanda:2:4", "sparsegpt:2:4", "si+magnitude:2:4", "si+wanda:2:4",
@@ -140,6 +140,7 @@ def main() -> None:
                                                     calib_windows=args.calib_windows, eval_windows=args.eval_windows),
                                     threads=args.threads, si=SISettings(steps=args.si_steps),
                                     roi=RoISettings(steps=args.roi_steps, seq_len=args.roi_seq_len), seed=args.seed,
+                                    heal=HealSettings(tokens=0),  # the pruning methods, unhealed (bench/heal.py heals)
                                     out=str(pkg), calib_dtype=dtype or args.calib_dtype),
                      log=lambda *a: print(*a, flush=True))
         m = r["manifest"]["method"]
