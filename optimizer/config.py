@@ -114,7 +114,7 @@ class OptimizeConfig:
     roi: RoISettings = field(default_factory=RoISettings)
     si: SISettings = field(default_factory=SISettings)
     heal: HealSettings = field(default_factory=HealSettings)
-    quant: str = "none"               # none | auto (the target's choice) | int8 | fp8 (optimizer/quantize.py)
+    quant: str = "none"               # none | auto (the target's choice) | int8 | fp8 | w4a16 (optimizer/quantize.py)
     zeroshot: int = 0                 # documents per zero-shot task (ARC-Easy, PIQA, HellaSwag) scored
                                       # dense / before / after healing; 0: none
 
@@ -158,8 +158,6 @@ def validate(cfg: OptimizeConfig) -> None:
             raise UserError("--refit applies to structured methods (removed heads and channels), not semi-structured ones")
     if cfg.quant not in QUANT:
         raise UserError(f"unknown --quant '{cfg.quant}'; choose from: {', '.join(QUANT)}")
-    if cfg.quant == "w4a16":
-        raise UserError("--quant w4a16 is not written yet (GPTQ-style 4-bit weights); int8 and fp8 are")
     if cfg.quant != "none":
         if cfg.format != "vllm":
             raise UserError("--quant applies to vLLM packages; ONNX packages are not quantized yet (use --quant none)")

@@ -284,8 +284,9 @@ class Job:
         q = self.quant_detail
         if not q:
             return size
+        lookup_bytes = 2 * size.get("lookup_params", 0)  # an untied input embedding: 16-bit, not streamed
         return {**size, "weight_bytes_quantized": q["weight_bytes"],
-                "ideal_ratio_quantized": size["bf16_bytes_dense"] / q["weight_bytes"]}
+                "ideal_ratio_quantized": (size["bf16_bytes_dense"] - lookup_bytes) / (q["weight_bytes"] - lookup_bytes)}
 
 
 def batch_indices(n: int, batch: int, step: int, seed: int) -> torch.Tensor:

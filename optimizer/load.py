@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,7 @@ def _convert_gguf(gguf: Path, fix_smollm2_tokenizer: bool = False) -> Path:
     target = cache_dir() / "converted" / _file_key(gguf)
     if (target / "config.json").is_file():
         return target
+    _check_gguf_architecture(gguf)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
@@ -150,6 +152,7 @@ def _convert_gguf(gguf: Path, fix_smollm2_tokenizer: bool = False) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
+    retie_duplicated_head(model)
     if fix_smollm2_tokenizer:
         _restore_digit_splitting(tok)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -164,6 +167,84 @@ def _convert_gguf(gguf: Path, fix_smollm2_tokenizer: bool = False) -> Path:
         if not (target / "config.json").is_file():  # another process may have won the race
             raise
     return target
+
+
+# How far (relative Frobenius distance) a GGUF's head may be from its embedding and still be the
+# same matrix quantised twice: 4-bit rounding moves a matrix by about a tenth of its norm, while two
+# independently trained matrices of equal norm are about √2 apart.
+SAME_MATRIX = 0.2
+
+
+def retie_duplicated_head(model) -> bool:
+    """llama.cpp writes the LM head as its own tensor (`output.weight`) for some tied models and
+    quantisations; transformers then builds an untied head, and the converted model gains a
+    vocab × hidden matrix the original does not have (more parameters, more bytes streamed a step).
+    When that head is the embedding quantised again, tie it back. Returns whether it did."""
+    import torch
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if model.config.tie_word_embeddings or head is None or head.weight.shape != embed.weight.shape:
+        return False
+    with torch.no_grad():
+        h, e = head.weight.float(), embed.weight.float()
+        if ((h - e).norm() / e.norm().clamp(min=1e-12)).item() > SAME_MATRIX:
+            return False
+    model.config.tie_word_embeddings = True
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = True
+    model.tie_weights()
+    return True
+
+
+def _check_gguf_architecture(gguf: Path) -> None:
+    """Refuse a GGUF whose architecture no adapter knows from its metadata alone, not after
+    de-quantising the whole file (or after gguf's reader has mapped every tensor: seconds)."""
+    from optimizer.adapters import supported_gguf_architectures
+    try:
+        arch = gguf_metadata(gguf, "general.architecture")
+    except (OSError, ValueError, UnicodeDecodeError, struct.error) as e:
+        raise UserError(f"{gguf}: could not read the GGUF metadata ({type(e).__name__}: {e})") from None
+    if arch not in supported_gguf_architectures():
+        raise UserError(f"{gguf}: unsupported architecture '{arch}' (GGUF metadata); supported: "
+                        f"{', '.join(supported_gguf_architectures())}")
+
+
+# GGUF value types (ggml's gguf.md): fixed-size scalars by struct code; 8 = string, 9 = array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_metadata(path: Path, key: str):
+    """One scalar or string value of a GGUF file's key-value header, read up to that key:
+    the header comes before the tensors, so this reads kilobytes, whatever the file's size."""
+    with open(path, "rb") as f:
+        def read(fmt):
+            size = struct.calcsize("<" + fmt)
+            return struct.unpack("<" + fmt, f.read(size))[0]
+
+        def string():
+            return f.read(read("Q")).decode()
+
+        def skip(vtype):
+            if vtype == 8:
+                f.seek(read("Q"), 1)
+            elif vtype == 9:
+                etype, n = read("I"), read("Q")
+                for _ in range(n):
+                    skip(etype)
+            else:
+                f.seek(struct.calcsize("<" + _GGUF_SCALARS[vtype]), 1)
+
+        if f.read(4) != b"GGUF":
+            raise ValueError("not a GGUF file (no GGUF magic)")
+        version = read("I")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is too old (2 or later)")
+        read("Q")  # tensor count
+        for _ in range(read("Q")):
+            name, vtype = string(), read("I")
+            if name == key:
+                return string() if vtype == 8 else read(_GGUF_SCALARS[vtype])
+            skip(vtype)
+    raise ValueError(f"no '{key}' in the GGUF metadata")
 
 
 def _restore_digit_splitting(tok) -> None:

@@ -49,7 +49,7 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         nominal = budget.uniform_candidates(adapter, hf_config, cfg.retain)
         if not nominal:
             raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
-        plan.prediction = planner.roofline(target, adapter, hf_config, nominal[0])
+        plan.prediction = planner.roofline(target, adapter, hf_config, nominal[0], **planner.quant_prediction(plan))
     if why_target:
         log(why_target)
     log(plan.text())

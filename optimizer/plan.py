@@ -46,7 +46,7 @@ class Plan:
     prediction: dict = field(default_factory=dict)
     sparsity: str | None = None      # "2:4", "0.5", ... for the semi-structured family
     sparse_kernel: bool = False      # the engine will run this sparsity with a sparse kernel
-    quant: str = "none"              # the weights' precision: none | int8 | fp8 (optimizer/quantize.py)
+    quant: str = "none"              # the weights' precision: none | int8 | fp8 | w4a16 (optimizer/quantize.py)
     quant_reason: str = ""
 
     def text(self) -> str:
@@ -59,12 +59,19 @@ class Plan:
             lines.append(f"  why: {self.quant_reason}")
         if self.prediction:
             p = self.prediction
-            lines.append(f"roofline on {self.target.name} (bf16, prompt {p['prompt_tokens']}, "
+            precision = QUANT_NAMES[p.get("precision", "none")] + " against dense bf16"
+            lines.append(f"roofline on {self.target.name} ({precision}, prompt {p['prompt_tokens']}, "
                          f"context {p['context_tokens']}): prefill {p['prefill_speedup']:.2f}x, "
                          f"decode {p['decode_speedup_b1']:.2f}x at batch 1, "
                          f"{p['decode_speedup_b16']:.2f}x at batch 16 "
                          f"(weight bytes {p['weight_bytes_ratio']:.2f}x smaller)")
         return "\n".join(lines)
+
+
+def quant_prediction(plan: Plan) -> dict:
+    """The roofline's quantization arguments for `plan`: its precision and whether the engine has its kernel."""
+    return {"quant": plan.quant,
+            "quant_kernel": plan.quant == "none" or plan.target.has_quant_kernel(plan.engine, plan.engine_version, plan.quant)}
 
 
 def choose_quant(plan: Plan, quant: str) -> None:
@@ -152,26 +159,48 @@ def _model_cost(adapter: DecoderAdapter, config, shape: BlockShape) -> tuple[int
     return blocks + head, kv, config.num_hidden_layers * shape.num_heads * d, embed
 
 
+# Bytes a block weight takes per precision (scales included: one 2-byte scale per output channel is
+# negligible, one per group of 64 input columns is 2/64 byte a weight), and the peak its matmuls run
+# at where the engine has a kernel for it (activations quantized too: int8 / fp8 tensor cores).
+QUANT_BYTES = {"none": 2.0, "int8": 1.0, "fp8": 1.0, "w4a16": 0.5 + 2 / 64}
+
+
+def _quant_peak(target: Profile, quant: str) -> float:
+    tops = {"int8": target.peak_int8_dense_tops, "fp8": target.peak_fp8_dense_tflops}.get(quant)
+    return (tops or target.peak_bf16_dense_tflops) * 1e12
+
+
 def roofline(target: Profile, adapter: DecoderAdapter, config, shape: BlockShape,
-             prompt_tokens: int = 512, context_tokens: int = 512, bytes_per_value: int = 2) -> dict:
+             prompt_tokens: int = 512, context_tokens: int = 512, bytes_per_value: int = 2,
+             quant: str = "none", quant_kernel: bool = True) -> dict:
+    """Prefill and decode speedups of the pruned (and `quant`-quantized) model over the dense bf16
+    one. Quantized, the block weights stream QUANT_BYTES each and, with the engine's kernel for
+    `quant` (`quant_kernel`), W8A8's block matmuls run at the int8 / fp8 peak; without a kernel
+    the quantized package is predicted as the 16-bit one. The embedding and LM head stay 16-bit;
+    the bytes a step streams are the blocks' and the LM head's (an untied input embedding is only
+    looked up: a row a token)."""
     peak = target.peak_bf16_dense_tflops * 1e12
     bw = target.memory_bandwidth_gbps * 1e9
+    q = quant if quant_kernel else "none"
+    q_peak, q_bytes = _quant_peak(target, q), QUANT_BYTES[q]
 
-    def times(s: BlockShape):
+    def times(s: BlockShape, quantized: bool):
         matmul_params, kv, attn_width, embed = _model_cost(adapter, config, s)
-        weight_bytes = (matmul_params + (0 if config.tie_word_embeddings else embed)) * bytes_per_value
+        blocks = matmul_params - embed                      # _model_cost counted the LM head in
+        b_peak, b_bytes = (q_peak, q_bytes) if quantized else (peak, bytes_per_value)
+        weight_bytes = blocks * b_bytes + embed * bytes_per_value  # the LM head; an input embedding is looked up
         L = prompt_tokens
-        prefill = max((2 * matmul_params * L + 2 * L * L * attn_width) / peak, weight_bytes / bw)
+        prefill = max(2 * blocks * L / b_peak + (2 * embed * L + 2 * L * L * attn_width) / peak, weight_bytes / bw)
 
         def decode(batch):
-            flops = batch * (2 * matmul_params + 4 * context_tokens * attn_width)
+            flops = batch * 2 * blocks / b_peak + batch * (2 * embed + 4 * context_tokens * attn_width) / peak
             moved = weight_bytes + batch * context_tokens * kv * bytes_per_value
-            return max(flops / peak, moved / bw)
+            return max(flops, moved / bw)
         return prefill, decode(1), decode(16), weight_bytes
 
-    dense = times(adapter.dense_shape(config))
-    pruned = times(shape)
-    return {"prompt_tokens": prompt_tokens, "context_tokens": context_tokens,
+    dense = times(adapter.dense_shape(config), False)
+    pruned = times(shape, q != "none")
+    return {"prompt_tokens": prompt_tokens, "context_tokens": context_tokens, "precision": q,
             "prefill_speedup": dense[0] / pruned[0], "decode_speedup_b1": dense[1] / pruned[1],
             "decode_speedup_b16": dense[2] / pruned[2], "weight_bytes_ratio": dense[3] / pruned[3],
             "dense_decode_ms_b1": dense[1] * 1e3, "pruned_decode_ms_b1": pruned[1] * 1e3}
@@ -192,7 +221,7 @@ def roofline_sparse(target: Profile, adapter: DecoderAdapter, config, kernel: bo
 
     def times(sparse: bool):
         f, b = (byte_factor, sparse_peak) if sparse and kernel else (1.0, peak)
-        weight_bytes = (blocks * f + embed + (0 if config.tie_word_embeddings else embed)) * bytes_per_value
+        weight_bytes = (blocks * f + embed) * bytes_per_value  # the LM head; an input embedding is looked up
         L = prompt_tokens
         prefill = max(2 * blocks * L / b + (2 * embed * L + 2 * L * L * attn_width) / peak, weight_bytes / bw)
 

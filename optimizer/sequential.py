@@ -1,4 +1,4 @@
-"""Block-by-block calibration: each block sees the outputs of the already-pruned blocks before it.
+"""Block-by-block calibration: each block sees the outputs of the already-changed blocks before it.
 
 The runner captures the hidden states entering block 0 once, then for every block in turn:
   1. optional `prepare(block, inputs, kwargs)` (SI learns and absorbs its transforms here),
@@ -109,37 +109,47 @@ def observe_block(block, inputs, kwargs, pruners: dict, autocast) -> None:
             setattr(p, name, getattr(first, name))
 
 
-def prune_blockwise(model, adapter, windows: torch.Tensor, make_pruner: Callable, sparsity: Sparsity,
-                    prepare: Callable | None = None, device: str | torch.device = "cpu",
-                    desc: str = "pruning blocks", dtype: torch.dtype = torch.float32) -> SparseMasks:
-    """Prune every block's Linears in place; return the keep-masks, one dict per block.
-
-    `dtype` is the autocast dtype of the calibration passes (`prepare` runs outside them)."""
-    for block in adapter.blocks(model):
-        for name, lin in adapter.linears(block).items():
-            sparsity.check_shape(lin.in_features, name)
+def run_blockwise(model, adapter, windows: torch.Tensor, make_observer: Callable, decide: Callable,
+                  prepare: Callable | None = None, device: str | torch.device = "cpu",
+                  desc: str = "calibrating blocks", dtype: torch.dtype = torch.float32) -> list[dict]:
+    """The runner: for every block in turn, one observer per Linear (`make_observer(linear)`, an
+    object with the SparseGPT shape: `add_batch`, `statistics`, `free`) sees the block's inputs,
+    then `decide(observer)` changes its layer in place; returns what `decide` returned, one dict
+    {linear name: result} per block. `dtype` is the autocast dtype of the calibration passes
+    (`prepare` runs outside them). Pruning (prune_blockwise) and GPTQ (optimizer/gptq.py) run on it."""
     blocks = adapter.blocks(model)
-    if not getattr(make_pruner, "needs_data", True) and prepare is None:
-        return SparseMasks([{name: make_pruner(lin).prune(sparsity) for name, lin in adapter.linears(b).items()}
-                            for b in blocks])
     device = torch.device(device)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
     inputs, kwargs = block_inputs(model, adapter, windows)
-    masks = []
+    results = []
     for i, block in enumerate(tqdm(blocks, desc=desc, unit="block")):
         home = next(block.parameters()).device
         block.to(device)
         inputs = [x.to(device) for x in inputs]
         if prepare is not None:
             prepare(block, inputs, kwargs)
-        pruners = {name: make_pruner(lin) for name, lin in adapter.linears(block).items()}
-        if getattr(make_pruner, "needs_data", True):
-            observe_block(block, inputs, kwargs, pruners, autocast)
-        masks.append({name: p.prune(sparsity) for name, p in pruners.items()})
-        for p in pruners.values():
-            p.free()
+        observers = {name: make_observer(lin) for name, lin in adapter.linears(block).items()}
+        if getattr(make_observer, "needs_data", True):
+            observe_block(block, inputs, kwargs, observers, autocast)
+        results.append({name: decide(o) for name, o in observers.items()})
+        for o in observers.values():
+            o.free()
         if i + 1 < len(blocks):  # the next block's inputs; the last block's outputs are not needed
             with torch.no_grad(), autocast:
                 inputs = [block_output(block, x, kwargs).to(x.dtype) for x in inputs]
         block.to(home)
-    return SparseMasks(masks)
+    return results
+
+
+def prune_blockwise(model, adapter, windows: torch.Tensor, make_pruner: Callable, sparsity: Sparsity,
+                    prepare: Callable | None = None, device: str | torch.device = "cpu",
+                    desc: str = "pruning blocks", dtype: torch.dtype = torch.float32) -> SparseMasks:
+    """Prune every block's Linears in place; return the keep-masks, one dict per block."""
+    for block in adapter.blocks(model):
+        for name, lin in adapter.linears(block).items():
+            sparsity.check_shape(lin.in_features, name)
+    if not getattr(make_pruner, "needs_data", True) and prepare is None:
+        return SparseMasks([{name: make_pruner(lin).prune(sparsity) for name, lin in adapter.linears(b).items()}
+                            for b in adapter.blocks(model)])
+    return SparseMasks(run_blockwise(model, adapter, windows, make_pruner, lambda p: p.prune(sparsity),
+                                     prepare=prepare, device=device, desc=desc, dtype=dtype))

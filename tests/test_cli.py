@@ -99,6 +99,28 @@ def test_not_a_gguf_file(tmp_path):
     _bad(tmp_path, [f, "--target", "a100"], "must be GGUF")
 
 
+def test_a_gguf_of_an_unknown_architecture_is_refused_from_its_metadata(tmp_path, monkeypatch):
+    """Before anything is de-quantised: the header alone says 'gemma3' (a real Gemma-3 GGUF's
+    metadata, here without its tensors), and a .gguf that is not one is a one-line error too."""
+    import gguf
+
+    from optimizer import load
+    monkeypatch.setattr(load, "cache_dir", lambda: tmp_path / "cache")
+    f = tmp_path / "gemma-3-270m.gguf"
+    w = gguf.GGUFWriter(str(f), "gemma3")
+    w.add_block_count(18)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert load.gguf_metadata(f, "gemma3.block_count") == 18
+    _bad(tmp_path, [f, "--target", "a100"], "unsupported architecture 'gemma3' (GGUF metadata)")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"\x00" * 10)
+    _bad(tmp_path, [junk, "--target", "a100"], "could not read the GGUF metadata")
+    assert not (tmp_path / "cache").exists()
+
+
 def test_unsupported_architecture(tmp_path, tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
     d = tmp_path / "gpt2"
@@ -200,3 +222,48 @@ def test_profiles_and_detect_commands():
     assert r.exit_code == 0 and "h200" in r.output and "rtx5090" in r.output
     r = _run(detect, [])
     assert r.exit_code == 0 and ("No NVIDIA driver" in r.output or "GPU" in r.output)
+
+
+def test_a_gguf_head_that_is_the_embedding_quantised_again_is_tied_back():
+    """llama.cpp may store a tied model's head as its own tensor; the converted model must not gain
+    an untied vocab × hidden matrix (a distinct head stays untied)."""
+    import copy
+
+    import torch
+
+    from optimizer.load import retie_duplicated_head
+    from tests.conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config("llama")
+    cfg.tie_word_embeddings = False
+    model, distinct = AutoModelForCausalLM.from_config(cfg), AutoModelForCausalLM.from_config(copy.deepcopy(cfg))
+    embed = model.get_input_embeddings().weight
+    with torch.no_grad():
+        model.lm_head.weight.copy_(embed + 0.05 * embed.std() * torch.randn_like(embed))
+    params = sum(p.numel() for p in model.parameters())
+    assert retie_duplicated_head(model) and model.config.tie_word_embeddings
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert sum(p.numel() for p in model.parameters()) == params - embed.numel()
+    assert not retie_duplicated_head(distinct) and distinct.lm_head.weight is not distinct.get_input_embeddings().weight
+
+
+def test_the_ideal_ratio_leaves_out_an_untied_input_embedding(tmp_path, tokenizer, text_file):
+    """A decode step streams the blocks and the LM head; an untied input embedding is looked up a row
+    a token, so it counts in the parameters but not in the ideal byte ratio."""
+    from tests.conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config("llama", vocab_size=len(tokenizer))
+    cfg.tie_word_embeddings = False
+    d = tmp_path / "untied"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    out = tmp_path / "pkg"
+    r = CliRunner().invoke(optimize, [str(d), "--target", "a100", "--method", "activation", "--retain", "0.6",
+                                      "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
+                                      "--calib-windows", "2", "--eval-windows", "1", "--no-heal", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    size = json.loads((out / "manifest.json").read_text())["size"]
+    lookup = cfg.vocab_size * cfg.hidden_size
+    assert size["lookup_params"] == lookup
+    assert size["ideal_ratio"] == pytest.approx((size["params_dense"] - lookup) / (size["params_pruned"] - lookup))
+    assert size["ideal_ratio"] > size["params_dense"] / size["params_pruned"]

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from optimizer import load
 from optimizer.cli import optimize
 from optimizer.adapters import get_adapter
-from optimizer.quantize import apply, quantized_bytes, smooth
+from optimizer.errors import UserError
+from optimizer.quantize import apply, gptq, quantized_bytes, smooth, w4_group
 from tests.conftest import tiny_model
 
 
@@ -95,9 +96,79 @@ def test_optimize_writes_an_int8_package_that_loads_and_matches_the_quantized_mo
     assert evaluate.perplexity(model, windows) == pytest.approx(m["quality"]["perplexity"]["pruned"], rel=2e-2)
 
 
+@pytest.mark.parametrize("precision", ["int8", "w4a16"])
+def test_gptq_lowers_each_layers_output_error_and_leaves_weights_on_the_grid(precision):
+    """GPTQ against round-to-nearest on the same scheme: a lower ‖(W - Q)X‖² on the calibration
+    inputs for the model as a whole, logits closer to the 16-bit model's, and every weight exactly
+    scale × integer, so that compressing it keeps GPTQ's integers."""
+    from compressed_tensors.compressors import ModelCompressor
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    calib = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+    group = w4_group(model, adapter) if precision == "w4a16" else None
+    rtn, q = copy.deepcopy(model), copy.deepcopy(model)
+    apply(rtn, precision, group)
+    apply(q, precision, group)
+    errors = gptq(q, adapter, calib)
+    assert errors["layers"] == 14 and errors["gptq_error_mean"] < 0.9 * errors["rtn_error_mean"]
+    with torch.no_grad():
+        err_rtn, err_gptq = ((m(ids).logits - ref).pow(2).mean().item() for m in (rtn, q))
+    assert err_gptq < 0.9 * err_rtn
+    lin = q.model.layers[1].mlp.down_proj
+    scale = lin.weight_scale.float()
+    steps = lin.weight.float() / (scale.repeat_interleave(group, dim=1) if group else scale)
+    assert (steps - steps.round()).abs().max() < 1e-3
+    assert steps.abs().max() <= 2 ** (lin.quantization_scheme.weights.num_bits - 1)
+    ModelCompressor.from_pretrained_model(q).compress_model(q)
+    sd = q.state_dict()
+    assert ("model.layers.1.mlp.down_proj.weight_packed" if group else "model.layers.1.mlp.down_proj.weight") in sd
+
+
+def test_w4_group_is_the_largest_the_input_widths_take():
+    """SmolLM2's 576-wide hidden state is no multiple of 128: group 64; widths no 4-bit kernel takes
+    are a one-line refusal."""
+    from tests.conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+    assert w4_group(tiny_model("llama"), get_adapter(tiny_model("llama").config)) == 32  # intermediate 96
+    for hidden, heads, inter, want in ((256, 4, 512, 128), (192, 3, 640, 64), (48, 6, 96, None)):
+        cfg = tiny_config("llama")
+        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = hidden, heads, 1, hidden // heads
+        cfg.intermediate_size = inter
+        model = AutoModelForCausalLM.from_config(cfg)
+        if want is None:
+            with pytest.raises(UserError, match="not all multiples of 128 or 64 or 32"):
+                w4_group(model, get_adapter(cfg))
+        else:
+            assert w4_group(model, get_adapter(cfg)) == want
+
+
+def test_optimize_writes_a_w4a16_package_that_loads_as_the_model_it_evaluated(tiny_dirs, text_file, tmp_path):
+    out = tmp_path / "pkg"
+    # --retain 1: the tiny model's pruned widths (56 channels, 4 heads of 8) fit no 4-bit group;
+    # the real model's are multiples of 64 (budget.channel_multiple)
+    r = _optimize(tiny_dirs, text_file, out, "--target", "a100", "--quant", "w4a16", "--retain", "1")
+    assert r.exit_code == 0, r.output
+    assert "quantization: W4A16" in r.output and "GPTQ" in r.output
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "pack-quantized"
+    weights = cfg["config_groups"]["group_0"]["weights"]
+    assert weights["num_bits"] == 4 and weights["group_size"] == 32 and cfg["config_groups"]["group_0"]["input_activations"] is None
+    m = json.loads((out / "manifest.json").read_text())
+    q = m["quantization"]
+    assert q["group_size"] == 32 and q["smoothing"] is None and q["gptq"]["gptq_error_mean"] < q["gptq"]["rtn_error_mean"]
+    assert m["size"]["weight_bytes_quantized"] < m["size"]["bf16_bytes_pruned"]
+    model, _ = load.load_model(load.resolve(str(out)))
+    from optimizer import data, evaluate
+    tok = load.load_model(load.resolve(str(tiny_dirs["llama"])))[1]
+    windows = data.token_windows(tok, text_file.read_text(), 64, 1)
+    assert evaluate.perplexity(model, windows) == pytest.approx(m["quality"]["perplexity"]["pruned"], rel=2e-2)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--quant", "int4"], "unknown --quant 'int4'"),
-    (["--quant", "w4a16"], "not written yet"),
     (["--quant", "int8", "--format", "onnx"], "ONNX packages are not quantized yet"),
     (["--quant", "int8", "--method", "sparsegpt"], "semi-structured ones are not quantized yet"),
 ])
@@ -114,3 +185,23 @@ def test_a_precision_without_a_kernel_says_so_in_the_plan(tiny_dirs, text_file, 
     assert "quantization: FP8 W8A8" in r.output and "has no FP8 W8A8 kernel on A100: expect no speedup" in r.output
     r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--target", "v100", "--quant", "auto", "--dry-run")
     assert "quantization: 16-bit weights" in r.output and "no FP8 or INT8 W8A8 kernel" in r.output
+
+
+def test_the_roofline_counts_the_quantized_bytes_and_flops(tiny_dirs, text_file, tmp_path):
+    """The plan's prediction for a quantized package: fewer weight bytes (the embedding stays 16-bit),
+    so a higher predicted speedup than the 16-bit package, with the int8 peak for prefill where there is
+    a kernel; a precision the engine has no kernel for is predicted as 16-bit."""
+    from transformers import AutoConfig
+
+    from optimizer import budget, plan as planner, profiles
+    cfg = AutoConfig.from_pretrained(load.resolve(None).hf_dir)  # SmolLM2-135M: tied embedding, 576 wide
+    adapter = get_adapter(cfg)
+    a100 = profiles.load_profile("a100")
+    shape = budget.uniform_candidates(adapter, cfg, 0.7)[0]
+    plain, int8 = (planner.roofline(a100, adapter, cfg, shape, quant=q) for q in ("none", "int8"))
+    assert 2.0 < int8["weight_bytes_ratio"] < 2.15 and 1.3 < plain["weight_bytes_ratio"] < 1.35  # issue 26's byte limits
+    assert int8["prefill_speedup"] > plain["prefill_speedup"] and int8["decode_speedup_b1"] > plain["decode_speedup_b1"]
+    no_kernel = planner.roofline(a100, adapter, cfg, shape, quant="fp8", quant_kernel=False)
+    assert no_kernel["decode_speedup_b1"] == plain["decode_speedup_b1"] and no_kernel["precision"] == "none"
+    r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--target", "a100", "--quant", "int8", "--dry-run")
+    assert "roofline on" in r.output and "(INT8 W8A8 against dense bf16," in r.output

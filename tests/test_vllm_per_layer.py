@@ -55,7 +55,7 @@ import json, sys
 def main():
     from vllm import LLM, SamplingParams
     a = json.loads(sys.argv[1])
-    llm = LLM(model=a["model"], dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4,
+    llm = LLM(model=a["model"], dtype=a["dtype"], enforce_eager=True, max_model_len=256, max_num_seqs=4,
               trust_remote_code=a["trust_remote_code"], seed=0)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in a["prompts"]],
                         SamplingParams(max_tokens=a["max_tokens"], temperature=0, ignore_eos=True))
@@ -108,10 +108,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _vllm_greedy(pkg, prompts, trust_remote_code: bool, env_extra: dict, log_path) -> tuple[list, str]:
+def _vllm_greedy(pkg, prompts, trust_remote_code: bool, env_extra: dict, log_path,
+                 dtype: str = "float32") -> tuple[list, str]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", **env_extra}
     arg = json.dumps({"model": str(pkg), "prompts": prompts, "max_tokens": NEW_TOKENS,
-                      "trust_remote_code": trust_remote_code})
+                      "trust_remote_code": trust_remote_code, "dtype": dtype})
     # cwd outside the checkout: `python -c` puts the cwd on sys.path, and a stale
     # llm_deploy_optimizer.egg-info there would hide the installed entry points
     p = subprocess.run([sys.executable, "-c", WORKER, arg], env=env, capture_output=True, text=True, timeout=480,

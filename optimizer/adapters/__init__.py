@@ -25,6 +25,10 @@ def supported_model_types() -> list[str]:
     return sorted(_ADAPTERS)
 
 
+def supported_gguf_architectures() -> list[str]:
+    return sorted({a for adapter in _ADAPTERS.values() for a in adapter.gguf_architectures})
+
+
 def get_adapter(config) -> DecoderAdapter:
     model_type = getattr(config, "model_type", None)
     if model_type not in _ADAPTERS:
@@ -32,4 +36,5 @@ def get_adapter(config) -> DecoderAdapter:
     return _ADAPTERS[model_type]
 
 
-__all__ = ["MLP", "Attention", "BlockShape", "DecoderAdapter", "Norms", "MoEAdapter", "MoEParts", "get_adapter", "supported_model_types"]
+__all__ = ["MLP", "Attention", "BlockShape", "DecoderAdapter", "Norms", "MoEAdapter", "MoEParts", "get_adapter", "supported_gguf_architectures",
+           "supported_model_types"]

@@ -54,6 +54,9 @@ class DecoderAdapter:
     """A LLaMA-style decoder. Subclasses set the class attributes for their family."""
 
     model_types: tuple[str, ...] = ()
+    # `general.architecture` in a GGUF file of this family (llama.cpp's names): a GGUF is refused
+    # from its metadata, before de-quantising, when no adapter names its architecture
+    gguf_architectures: tuple[str, ...] = ()
     family: str = ""
     qkv_bias: bool = False        # q/k/v projections carry a bias (Qwen2)
     o_bias_key: str | None = None # config flag that would give o_proj a bias

@@ -22,6 +22,7 @@ _LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
 
 class Qwen2Adapter(DecoderAdapter):
     model_types = ("qwen2",)
+    gguf_architectures = ("qwen2",)
     family = "qwen2"
     qkv_bias = True
     engine_reads_head_dim = False

@@ -19,6 +19,7 @@ from optimizer.adapters.mixtral import MoEAdapter, MoEParts
 
 class Qwen2MoeAdapter(MoEAdapter):
     model_types = ("qwen2_moe",)
+    gguf_architectures = ("qwen2moe",)
     family = "qwen2_moe"
     qkv_bias = True
     engine_reads_head_dim = False

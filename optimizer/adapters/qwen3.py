@@ -9,6 +9,7 @@ from optimizer.adapters.base import DecoderAdapter
 
 class Qwen3Adapter(DecoderAdapter):
     model_types = ("qwen3",)
+    gguf_architectures = ("qwen3",)
     family = "qwen3"
     o_bias_key = "attention_bias"
 

@@ -13,6 +13,7 @@ from optimizer.adapters.qwen2_moe import Qwen2MoeAdapter
 
 class Qwen3MoeAdapter(Qwen2MoeAdapter):
     model_types = ("qwen3_moe",)
+    gguf_architectures = ("qwen3moe",)
     family = "qwen3_moe"
     qkv_bias = False
     engine_reads_head_dim = True
