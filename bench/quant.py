@@ -16,7 +16,8 @@ of the built-in corpus our smoothing uses. For each: perplexity on WikiText-2 te
 zero-shot mean of ARC-Easy, PIQA, HellaSwag (--zeroshot-limit documents, --zeroshot-seed); then
 `bench PACKAGE --baseline embedded` (output tok/s against the dense bf16 model in the same
 command, dense and package alternating for --rounds rounds, best of N) at --concurrency, and for
-r0.70-int8 also `bench` against peer-plain's package as the baseline.
+r0.70-int8 and dense-int8 also `bench` against peer-plain's package as the baseline. Several
+invocations (one process a core, --threads 1) may add variants to one --out; serve once, alone.
 
 Writes quant.json, quant.md and quant.png into a new run folder (benchlib.run_dir); a variant
 already in --out's quant.json is kept (rerun into a new folder to measure it again).
@@ -127,8 +128,11 @@ def main() -> None:
     if not args.skip_serve:
         for name in args.variants:
             row = benchlib.read_result(path)["variants"][name]
+            # a peer's directory is served as `bench` serves any model directory: with our packages' engine
+            # arguments; our INT8 packages are also measured with the peer's plain W8A8 as the baseline
             pairs = [("dense", "embedded")] + ([("peer-plain", row_pkg(path, "peer-plain"))]
-                                                if name == "r0.70-int8" and row_pkg(path, "peer-plain") else [])
+                                                if name in ("r0.70-int8", "dense-int8") and row_pkg(path, "peer-plain")
+                                                else [])
             for label, baseline in pairs:
                 key = f"vs_{label}"
                 if key in row.get("serving", {}):

@@ -24,6 +24,20 @@ def _manifest(package: str) -> dict:
         raise UserError(str(e)) from None
 
 
+# `bench` of a model directory another tool wrote (e.g. llm-compressor's W8A8): served as our vLLM
+# packages are (exporters/vllm.recommended_args at the packages' max-model-len), so that it and its
+# baseline run under the same engine arguments.
+MODEL_DIR_ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048"]
+
+
+def _manifest_or_model(package: str) -> dict:
+    """The package's manifest; for a model directory without one, what bench needs of it."""
+    if not (Path(package) / launch.MANIFEST).is_file() and (Path(package) / "config.json").is_file():
+        return {"format": "vllm", "model_dir": True,
+                "engine": {"served_model_name": Path(package).resolve().name, "args": MODEL_DIR_ARGS}}
+    return _manifest(package)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "ignore_unknown_options": True})
 @click.argument("package", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -80,7 +94,9 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     a warm-up, the report is still written, a line starting with FAILED names where, and the
     exit status is 1 (0: none lost; 2: bad arguments).
     """
-    manifest = _manifest(package)
+    manifest = _manifest_or_model(package)
+    if manifest.get("model_dir") and baseline is None:
+        raise UserError(f"{package}: a model directory, not a package made by optimize: name its --baseline")
     try:
         levels = sorted({int(c) for c in concurrency.split(",")})
     except ValueError:
@@ -134,7 +150,7 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
                  "command": " ".join(sys.argv)},
         "runs": runs,
         "warmup": warmup,
-        "ideal_ratio": ideal_ratio(manifest, base_manifest),
+        "ideal_ratio": ideal_ratio(manifest, base_manifest, base_dir),
     }
     summary = report.write_report(results, out_dir)
     click.echo(report.markdown_table(summary))  # ends with the Requests: / FAILED: line
@@ -153,12 +169,21 @@ def _requests_text(res: dict) -> str:
     return f"{res['failed']} of {n} FAILED{first}"
 
 
-def ideal_ratio(manifest: dict, base_manifest: dict | None) -> float:
-    """The package's ideal speed-up over what it is compared with: both ratios are against the
-    dense model, so against another package it is their quotient."""
-    ideal = manifest["size"]["ideal_ratio"]
-    base = (base_manifest or {}).get("size", {}).get("ideal_ratio")
-    return ideal / base if base else ideal
+def ideal_ratio(manifest: dict, base_manifest: dict | None, base_dir: Path | None = None) -> float | None:
+    """The package's ideal speed-up over what it is compared with (its weight bytes against the
+    dense model's in bf16, quantized bytes where it is quantized): both ratios are against the
+    dense model, so against another package it is their quotient. Against a model directory that
+    is not ours and holds a quantization_config (another tool's checkpoint) it is unknown: None."""
+    def own(m):
+        return m["size"].get("ideal_ratio_quantized", m["size"]["ideal_ratio"])
+    if "size" not in manifest:  # a model directory another tool wrote: its bytes are not ours to know
+        return None
+    if base_manifest is not None:
+        return own(manifest) / own(base_manifest)
+    if base_dir is not None and (base_dir / "config.json").is_file():
+        if "quantization_config" in json.loads((base_dir / "config.json").read_text()):
+            return None
+    return own(manifest)
 
 
 def _baseline(baseline: str | None, manifest: dict) -> tuple[Path, dict | None]:

@@ -473,3 +473,21 @@ def test_bench_states_lost_requests_and_fails_on_any(server, tmp_path, monkeypat
         failed_lines = [ln for ln in r.output.splitlines() if ln.startswith("FAILED: ")]
         assert failed_lines and f"FAILED: {26 // 5} of 26 requests" in failed_lines[0]
         assert "without any output tokens" in failed_lines[0] and failed_lines[0] in md
+
+
+def test_bench_takes_a_model_directory_another_tool_wrote(tmp_path, tiny_dirs):
+    """llm-compressor's W8A8 directory has no manifest: bench serves it with the packages' engine
+    arguments, needs a --baseline for it (one line otherwise), and knows no ideal ratio for it."""
+    from click.testing import CliRunner
+
+    from serve.cli import MODEL_DIR_ARGS, _manifest_or_model, bench, ideal_ratio
+    m = _manifest_or_model(str(tiny_dirs["llama"]))
+    assert m["model_dir"] and m["engine"]["args"] == MODEL_DIR_ARGS and "--dtype" in MODEL_DIR_ARGS
+    assert ideal_ratio(m, None) is None
+    r = CliRunner().invoke(bench, [str(tiny_dirs["llama"])])
+    assert r.exit_code == 2 and "name its --baseline" in r.output and len(r.output.strip().splitlines()) == 1
+    peer = tmp_path / "peer"
+    peer.mkdir()
+    (peer / "config.json").write_text('{"quantization_config": {"format": "int-quantized"}}')
+    assert ideal_ratio({"size": {"ideal_ratio": 1.33, "ideal_ratio_quantized": 2.08}}, None, peer) is None
+    assert ideal_ratio({"size": {"ideal_ratio": 1.33, "ideal_ratio_quantized": 2.08}}, None) == 2.08
