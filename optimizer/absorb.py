@@ -4,8 +4,9 @@ A per-channel scale s > 0 and shift δ on the input of a Linear, x' = (x − δ)
 W' = W diag(s) and b' = b + W δ, leave W'x' + b' = Wx + b. There are four points in a block
 where the transformed input can be produced by the block's own parameters:
 
-  attn  input of q/k/v   scale: input_layernorm.weight /= s      shift: see below
-  mlp   input of gate/up scale: post_attention_layernorm.weight /= s   shift: see below
+  attn  input of q/k/v   scale: the attention norm's weight /= s   shift: see below
+  mlp   input of gate/up scale: the MLP norm's weight /= s (LLaMA's post_attention_layernorm,
+        Gemma's pre_feedforward_layernorm: adapter.norms); a (1 + w) norm gets (1 + w)/s − 1
   o     input of o_proj  scale and shift: on v_proj's outputs (v' = (v − δ)/s). Softmax
         weights sum to 1, so the attention output moves by exactly the same (x − δ)/s.
         Parametrised per v_proj output channel: every query head reading a KV head sees
@@ -59,6 +60,7 @@ class Layout:
     down: str
     head_dim: int
     group: int  # query heads per KV head
+    norm_offset: float = 0.0  # the norms multiply by (norm_offset + w): 1 for Gemma's (1 + w)
 
 
 def layout(block, adapter) -> Layout:
@@ -67,7 +69,8 @@ def layout(block, adapter) -> Layout:
     gate, up, down = adapter.mlp(block)
     na, nm = adapter.norms(block)
     return Layout(names[id(na)], names[id(nm)], *(names[id(m)] for m in (q, k, v, o, gate, up, down)),
-                  head_dim=block.self_attn.head_dim, group=o.in_features // v.out_features)
+                  head_dim=block.self_attn.head_dim, group=o.in_features // v.out_features,
+                  norm_offset=adapter.norm_offset)
 
 
 def expand_o(t: torch.Tensor, lay: Layout) -> torch.Tensor:
@@ -102,8 +105,8 @@ def transform_tensors(params: dict[str, torch.Tensor], t: Transform, lay: Layout
 
     for point, norm, linears in (("attn", lay.attn_norm, (lay.q, lay.k, lay.v)), ("mlp", lay.mlp_norm, (lay.gate, lay.up))):
         s, d = t.scale.get(point), t.shift.get(point)
-        if s is not None:
-            p[f"{norm}.weight"] = p[f"{norm}.weight"] / s
+        if s is not None:  # (offset + w) / s, written back as a weight of the same norm
+            p[f"{norm}.weight"] = (p[f"{norm}.weight"] + lay.norm_offset) / s - lay.norm_offset
         for name in linears:
             w = p[f"{name}.weight"]
             if d is not None:  # b' = b + W δ with the untransformed W

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from optimizer import budget, load, plan as planner, profiles, sparsity
-from optimizer.adapters import get_adapter
+from optimizer.adapters import get_adapter, onnx_families
 from optimizer.config import (DataConfig, DDPSettings, HealSettings, OptimizeConfig, RefitSettings, RoISettings,
                               SISettings, validate)
 from optimizer.errors import UserError
@@ -41,6 +41,11 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     except Exception as e:
         raise UserError(f"{source.description}: unreadable config ({type(e).__name__})") from None
     adapter = get_adapter(hf_config)
+    if cfg.format == "onnx" and not adapter.onnx_export:
+        raise UserError(f"{adapter.family}: ONNX export covers the LLaMA-shaped families "
+                        f"({', '.join(onnx_families())}); use --format vllm")
+    if cfg.layout == "per-layer" and not adapter.per_layer:
+        raise UserError(f"{adapter.family}: no per-layer model class for this family; use --layout uniform")
     if plan.sparsity:
         for name, width in adapter.input_widths(hf_config).items():
             sparsity.parse(plan.sparsity).check_shape(width, name)

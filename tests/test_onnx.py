@@ -28,6 +28,8 @@ from serve import launch, loadgen
 from runtime.ort_server import Engine, OrtDecoder, Request, Sampling
 from tests.conftest import FAMILIES, tiny_config
 
+ONNX_FAMILIES = [f for f in FAMILIES if f != "gemma3"]  # the functional decoder is LLaMA's block
+
 
 def lively(family: str, vocab_size: int = 512, seed: int = 0, **overrides):
     from transformers import AutoModelForCausalLM
@@ -112,7 +114,7 @@ def _assert_decoder_matches(model, steps=2):
         cache, presents = ref.past_key_values, list(out[1:])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ONNX_FAMILIES)
 def test_functional_decoder_matches_transformers(family):
     _assert_decoder_matches(lively(family))
 
@@ -144,7 +146,7 @@ def test_unsupported_rope_is_refused(tmp_path):
 # export + validation
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ONNX_FAMILIES)
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_export_validates(family, dtype, tmp_path):
     model = lively(family)

@@ -6,6 +6,7 @@ A new family is one new module here plus one line in _ADAPTERS.
 from __future__ import annotations
 
 from optimizer.adapters.base import MLP, Attention, BlockShape, DecoderAdapter, Norms
+from optimizer.adapters.gemma3 import Gemma3Adapter
 from optimizer.adapters.llama import LlamaAdapter
 from optimizer.adapters.mistral import MistralAdapter
 from optimizer.adapters.mixtral import MixtralAdapter, MoEAdapter, MoEParts
@@ -16,13 +17,17 @@ from optimizer.adapters.qwen3_moe import Qwen3MoeAdapter
 from optimizer.errors import UserError
 
 _ADAPTERS: dict[str, DecoderAdapter] = {
-    t: a() for a in (LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter,
+    t: a() for a in (LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, Gemma3Adapter,
                      MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter) for t in a.model_types
 }
 
 
 def supported_model_types() -> list[str]:
     return sorted(_ADAPTERS)
+
+
+def onnx_families() -> list[str]:
+    return sorted({a.family for a in _ADAPTERS.values() if a.onnx_export and not isinstance(a, MoEAdapter)})
 
 
 def supported_gguf_architectures() -> list[str]:
@@ -36,5 +41,5 @@ def get_adapter(config) -> DecoderAdapter:
     return _ADAPTERS[model_type]
 
 
-__all__ = ["MLP", "Attention", "BlockShape", "DecoderAdapter", "Norms", "MoEAdapter", "MoEParts", "get_adapter", "supported_gguf_architectures",
+__all__ = ["MLP", "Attention", "BlockShape", "DecoderAdapter", "Norms", "MoEAdapter", "MoEParts", "get_adapter", "onnx_families", "supported_gguf_architectures",
            "supported_model_types"]

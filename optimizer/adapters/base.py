@@ -67,6 +67,14 @@ class DecoderAdapter:
     # transformers' LlamaConfig rejects hidden_size % num_attention_heads != 0 even when
     # head_dim is explicit, so such shapes would not load back in transformers.
     heads_divide_hidden: bool = False
+    # ONNX export traces exporters/decoder.py, a LLaMA-shaped functional decoder (per-head q/k
+    # norms included); a family it does not describe is refused before any work
+    onnx_export: bool = True
+    # our per-layer model classes (exporters/plugin) exist for this family
+    per_layer: bool = True
+    # RMSNorm multiplies by (offset + w): 0 for LLaMA's w, 1 for Gemma's (1 + w); a scale absorbed
+    # into a norm weight is applied to (offset + w)
+    norm_offset: float = 0.0
     # The blocks are LLaMA's exactly (no biases, no per-head norms): a per-layer model of this
     # family can be written as DeciLM, which stock vLLM serves.
     llama_layout: bool = False

