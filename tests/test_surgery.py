@@ -100,3 +100,27 @@ def test_decide_keeps_the_most_important_units():
     imp.channel_scores[0][:] = torch.arange(96.)
     m = imp.decide(BlockShape(2, 1, 10)).blocks[0]
     assert m.kv_heads == [1] and m.heads == [4, 6] and m.channels == list(range(86, 96))
+
+
+def test_a_llama3_config_rope_scaling_and_an_untied_head_prune_exactly(tmp_path):
+    """LLaMA-3.x configs: llama3 rope scaling and an untied LM head survive surgery and the round
+    trip (the head is not a block parameter and stays whole)."""
+    from tests.conftest import tiny_config
+    cfg = tiny_config("llama")
+    cfg.tie_word_embeddings = False
+    cfg.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert model.lm_head.weight is not model.get_input_embeddings().weight
+    adapter = get_adapter(model.config)
+    masks = _importance(model, adapter).decide(BlockShape(4, 1, 40))
+    x = torch.randint(0, 512, (2, 96), generator=torch.Generator().manual_seed(2))  # past the original 64 positions
+    with torch.inference_mode(), masked(model, adapter, masks):
+        ref = model(x).logits
+    pruned = prune(model, adapter, masks)
+    pruned.save_pretrained(tmp_path / "p")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "p").eval()
+    assert not again.config.tie_word_embeddings and again.config.rope_parameters["rope_type"] == "llama3"
+    with torch.inference_mode():
+        torch.testing.assert_close(again(x).logits, ref, atol=1e-5, rtol=1e-5)
