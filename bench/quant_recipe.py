@@ -3,10 +3,11 @@ dense embedded SmolLM2-135M (issue 26's recipe choice; bench/quant.py measures t
 
     .venv/bin/python bench/quant_recipe.py                   # int8 and w4a16, 16 test windows
     .venv/bin/python bench/quant_recipe.py --eval-windows 4  # a quicker look
+    .venv/bin/python bench/quant_recipe.py --recipes "w4a16 gptq" --calib-windows 16   # more calibration
 
 Each recipe starts from the dense model and uses optimizer.quantize's own functions on the same
 calibration windows the stage uses (the first SMOOTH_WINDOWS windows of 2048 tokens of the built-in
-corpus); perplexity on the first --eval-windows windows of 2048 tokens of WikiText-2 test, and the
+corpus, or --calib-windows); perplexity on the first --eval-windows windows of 2048 tokens of WikiText-2 test, and the
 wall time of the recipe alone. Writes recipe.json and recipe.md into a new run folder.
 """
 
@@ -32,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     ap.add_argument("--eval-windows", type=int, default=16)
+    ap.add_argument("--calib-windows", type=int, help="calibration windows (default: the stage's SMOOTH_WINDOWS)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--out", help="run folder (default: a new bench/results/quant-recipe/DATE-COMMIT)")
@@ -47,9 +49,10 @@ def main() -> None:
     dense, tok = load.load_model(load.resolve(None))
     adapter = get_adapter(dense.config)
     test = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=Path(args.data))
-    calib = data.token_windows(tok, data.builtin_text("calib").text, 2048)[:SMOOTH_WINDOWS]
+    n_calib = args.calib_windows or SMOOTH_WINDOWS
+    calib = data.token_windows(tok, data.builtin_text("calib").text, 2048)[:n_calib]
     result = {"protocol": {"model": "SmolLM2-135M-Instruct (embedded)", "eval_windows": args.eval_windows,
-                           "calib_windows": SMOOTH_WINDOWS, "smooth_alpha": SMOOTH_ALPHA, "threads": args.threads,
+                           "calib_windows": len(calib), "smooth_alpha": SMOOTH_ALPHA, "threads": args.threads,
                            **benchlib.run_info()},
               "dense": evaluate.perplexity(dense, test, "dense"), "recipes": {}}
     for name in args.recipes:
@@ -71,7 +74,7 @@ def main() -> None:
     rows += [[n, f"{r['ppl']:.2f}", f"{r['x_dense']:.3f}", f"{r['wall_s']:.0f}"] for n, r in result["recipes"].items()]
     table = benchlib.markdown_table(["recipe", "WikiText-2 PPL", "× dense", "recipe s"], rows, align="lrrr")
     benchlib.write_markdown(out / "recipe.md", f"# Weight recipes on the dense SmolLM2-135M\n\nPerplexity on "
-                            f"{args.eval_windows} × 2048 tokens of WikiText-2 test; calibration {SMOOTH_WINDOWS} × 2048 "
+                            f"{args.eval_windows} × 2048 tokens of WikiText-2 test; calibration {len(calib)} × 2048 "
                             f"tokens of the built-in corpus; {args.threads} threads.\n\n{table}\n")
     print(table)
 
