@@ -100,21 +100,22 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_a_gguf_of_an_unknown_architecture_is_refused_from_its_metadata(tmp_path, monkeypatch):
-    """Before anything is de-quantised: the header alone says 'gemma3' (a real Gemma-3 GGUF's
-    metadata, here without its tensors), and a .gguf that is not one is a one-line error too."""
+    """Before anything is de-quantised: the header alone says 'phi3' (no adapter for Phi-3's fused
+    projections yet; a real GGUF's metadata, here without its tensors), and a .gguf that is not
+    one is a one-line error too."""
     import gguf
 
     from optimizer import load
     monkeypatch.setattr(load, "cache_dir", lambda: tmp_path / "cache")
-    f = tmp_path / "gemma-3-270m.gguf"
-    w = gguf.GGUFWriter(str(f), "gemma3")
+    f = tmp_path / "phi-3-mini.gguf"
+    w = gguf.GGUFWriter(str(f), "phi3")
     w.add_block_count(18)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert load.gguf_metadata(f, "gemma3.block_count") == 18
-    _bad(tmp_path, [f, "--target", "a100"], "unsupported architecture 'gemma3' (GGUF metadata)")
+    assert load.gguf_metadata(f, "phi3.block_count") == 18
+    _bad(tmp_path, [f, "--target", "a100"], "unsupported architecture 'phi3' (GGUF metadata)")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"\x00" * 10)
     _bad(tmp_path, [junk, "--target", "a100"], "could not read the GGUF metadata")
