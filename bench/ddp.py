@@ -108,7 +108,7 @@ def main() -> None:
                             beta=args.beta),
             threads=args.threads, seed=args.seed, calib_dtype=args.calib_dtype,
             refit=RefitSettings() if args.refit else None, resume=args.resume,
-            heal=HealSettings(tokens=0)))["manifest"]  # the pruning methods, unhealed (bench/heal.py heals)
+            heal=HealSettings(tokens=0), quant="none"))["manifest"]  # the pruning methods, unhealed (bench/heal.py heals)
         q = m["quality"]["perplexity"]
         row = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),
                "shape": m["method"]["shape"], "retain_achieved": m["method"]["retain_achieved"],

@@ -117,7 +117,8 @@ def main() -> None:
                     retain=retain or 0.7, layout=layout or "uniform", out=str(pkg), threads=args.threads,
                     data=DataConfig(calib=args.calib, eval=str(test_file), calib_windows=args.calib_windows,
                                     eval_windows=args.eval_windows),
-                    ddp=DDPSettings(), heal=HealSettings(tokens=tokens, data=args.heal_data, chat=args.heal_chat, memory=args.heal_memory,
+                    ddp=DDPSettings(), quant="none",  # the 16-bit healed package (bench/quant.py quantizes)
+                    heal=HealSettings(tokens=tokens, data=args.heal_data, chat=args.heal_chat, memory=args.heal_memory,
                                                       **({"lr": args.heal_lr} if args.heal_lr else {})))
                 m = optimize(cfg, log=lambda *a: print(*a, flush=True))["manifest"]
                 model, _ = load.load_model(load.resolve(str(pkg)))

@@ -140,7 +140,7 @@ def main() -> None:
                                                     calib_windows=args.calib_windows, eval_windows=args.eval_windows),
                                     threads=args.threads, si=SISettings(steps=args.si_steps),
                                     roi=RoISettings(steps=args.roi_steps, seq_len=args.roi_seq_len), seed=args.seed,
-                                    heal=HealSettings(tokens=0),  # the pruning methods, unhealed (bench/heal.py heals)
+                                    heal=HealSettings(tokens=0), quant="none",  # the pruning methods, unhealed (bench/heal.py heals)
                                     out=str(pkg), calib_dtype=dtype or args.calib_dtype),
                      log=lambda *a: print(*a, flush=True))
         m = r["manifest"]["method"]

@@ -64,7 +64,7 @@ def main() -> None:
                                       data=DataConfig(calib=str(calib), eval=str(test), calib_windows=16, seq_len=2048,
                                                       eval_windows=None if args.eval_windows == "all"
                                                       else int(args.eval_windows)),
-                                      threads=args.threads, heal=HealSettings(tokens=0)))  # speed: healing keeps the shapes
+                                      threads=args.threads, heal=HealSettings(tokens=0), quant="none"))  # speed: healing keeps the shapes
         m = res["manifest"]
         results["levels"].append({
             "retain": retain, "package": str(pkg), "optimize_wall_s": round(time.time() - t0, 1),

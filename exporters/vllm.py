@@ -60,11 +60,14 @@ DENSE_FALLBACK_ARGS = ["--hf-overrides", json.dumps({"quantization_config": None
 
 
 def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report_md: str,
-                  dtype: torch.dtype = torch.bfloat16, config_extra: dict | None = None) -> Path:
+                  dtype: torch.dtype = torch.bfloat16, config_extra: dict | None = None,
+                  finish_checkpoint=None) -> Path:
     """Fill `tmp` and rename it to `out`. The caller removes `tmp` if this raises.
 
     `config_extra` is merged into config.json as written (e.g. a compressed-tensors
     `quantization_config`), where transformers' config object would reinterpret it.
+    `finish_checkpoint(tmp)` then rewrites the checkpoint as the source family's (the adapter's:
+    Phi-3's fused projections).
     """
     compressor = None
     if any(getattr(m, "quantization_scheme", None) is not None for m in model.modules()):
@@ -81,6 +84,8 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
     if config_extra:
         cfg_path = tmp / "config.json"
         cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **config_extra}, indent=2) + "\n")
+    if finish_checkpoint is not None:
+        finish_checkpoint(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     (tmp / "report.md").write_text(report_md)

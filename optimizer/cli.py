@@ -95,7 +95,7 @@ def one_line_errors(fn):
                    "(a quarter of the heal sequences), so an Instruct model keeps its chat behaviour "
                    "(default: 40 where the model has a chat template, else 0).")
 @click.option("--no-heal", is_flag=True, help="Do not heal, whatever --heal-tokens says.")
-@click.option("--quant", default="none", show_default=True,
+@click.option("--quant", default="auto", show_default=True,
               help="Quantize the pruned (and healed) weights: auto (the precision the target's tensor cores and "
                    "the engine's kernels accelerate: `profiles`), int8 (W8A8), fp8 (W8A8, E4M3), w4a16 (4-bit "
                    "weights for memory-bound decode; never chosen by auto), or none.")

@@ -114,7 +114,8 @@ class OptimizeConfig:
     roi: RoISettings = field(default_factory=RoISettings)
     si: SISettings = field(default_factory=SISettings)
     heal: HealSettings = field(default_factory=HealSettings)
-    quant: str = "none"               # none | auto (the target's choice) | int8 | fp8 | w4a16 (optimizer/quantize.py)
+    quant: str = "auto"               # auto (the target's choice; 16-bit where a package kind is not quantized
+                                      # yet) | none | int8 | fp8 | w4a16 (optimizer/quantize.py)
     zeroshot: int = 0                 # documents per zero-shot task (ARC-Easy, PIQA, HellaSwag) scored
                                       # dense / before / after healing; 0: none
 
@@ -158,7 +159,7 @@ def validate(cfg: OptimizeConfig) -> None:
             raise UserError("--refit applies to structured methods (removed heads and channels), not semi-structured ones")
     if cfg.quant not in QUANT:
         raise UserError(f"unknown --quant '{cfg.quant}'; choose from: {', '.join(QUANT)}")
-    if cfg.quant != "none":
+    if cfg.quant not in ("none", "auto"):  # auto falls back to 16-bit for these (plan.choose_quant)
         if cfg.format != "vllm":
             raise UserError("--quant applies to vLLM packages; ONNX packages are not quantized yet (use --quant none)")
         if cfg.layout != "uniform":

@@ -115,6 +115,7 @@ class Job:
     heal_chat: str | None = None             # the teacher's chat answers (--heal-chat), written once
     heal_data: tuple | None = None           # (sequences, description), tokenized once by check_heal_data
     quant_detail: dict | None = None         # --quant: the quantize stage's account
+    architecture: str = "?"                  # the source's, before adapter.working_model
 
     # --- the skeleton ------------------------------------------------------------------------
     def run(self, kind) -> dict:
@@ -149,6 +150,8 @@ class Job:
             torch.set_num_threads(self.cfg.threads)
         torch.manual_seed(self.cfg.seed)
         self.model, self.tok = load.load_model(self.source)
+        self.architecture = (self.model.config.architectures or ["?"])[0]
+        self.model = self.adapter.working_model(self.model)  # Phi-3: its fused projections split
 
     def calibrate(self) -> Calibration:
         """The calibration text and its windows; the last window is held out."""
@@ -255,14 +258,14 @@ class Job:
     def manifest(self, sections: dict, quality: dict) -> dict:
         """The manifest every package carries; `sections` (method, size, engine, checks, format)
         come from the kind."""
-        config, t, plan = self.model.config, self.target, self.plan
+        t, plan = self.target, self.plan
         return {
             "schema": vllm_export.SCHEMA,
             "format": sections.pop("format", "vllm"),
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "tool": {"name": "llm-deploy-optimizer", "version": TOOL_VERSION},
             "source": {"model": self.source.description, "hf_dir": str(self.source.hf_dir),
-                       "architecture": (config.architectures or ["?"])[0], "family": self.adapter.family},
+                       "architecture": self.architecture, "family": self.adapter.family},
             "target": {"name": t.name, "display_name": t.display_name, "kind": t.kind,
                        "compute_capability": t.compute_capability},
             "method": sections["method"],
@@ -277,6 +280,12 @@ class Job:
             "wall_s": round(time.time() - self.started, 1),
         }
 
+
+    def finish_checkpoint(self, directory: Path) -> None:
+        """The written checkpoint as the source's family writes it (the adapter's rewrite: Phi-3's
+        fused projections; nothing for most families)."""
+        source = json.loads((Path(self.source.hf_dir) / "config.json").read_text())
+        self.adapter.finish_checkpoint(directory, source)
 
     def _size(self, size: dict) -> dict:
         """The kind's size section, and with --quant the bytes the quantized checkpoint's

@@ -30,10 +30,10 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     if plan.sparsity and cfg.format != "vllm":
         raise UserError(f"semi-structured packages are vLLM packages (onnxruntime has no 2:4 kernel); "
                         f"drop --format {cfg.format} or use --method structured")
-    if plan.sparsity and cfg.quant != "none":
+    if plan.sparsity and cfg.quant not in ("none", "auto"):
         raise UserError(f"the plan is semi-structured ({plan.method}), which is not quantized yet: "
                         f"use --method structured or --quant none")
-    planner.choose_quant(plan, cfg.quant)
+    planner.choose_quant(plan, cfg.quant, not_quantized=_not_quantized(cfg, plan))
     source = load.resolve(cfg.model)
     from transformers import AutoConfig
     try:
@@ -73,6 +73,17 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         from optimizer.structured import Structured as Kind
     with staged(out) as tmp:
         return Job(cfg, target, plan, source, adapter, out, tmp, log).run(Kind())
+
+
+def _not_quantized(cfg: OptimizeConfig, plan) -> str | None:
+    """Why this kind of package keeps 16-bit weights whatever the target accelerates, or None."""
+    if cfg.format != "vllm":
+        return "ONNX packages are not quantized yet"
+    if cfg.layout != "uniform":
+        return "per-layer packages are not quantized yet"
+    if plan.sparsity:
+        return "2:4 packages keep 16-bit weights (vLLM's 2:4 kernels are unquantized)"
+    return None
 
 
 def target_profile(name: str):

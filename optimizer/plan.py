@@ -74,15 +74,16 @@ def quant_prediction(plan: Plan) -> dict:
             "quant_kernel": plan.quant == "none" or plan.target.has_quant_kernel(plan.engine, plan.engine_version, plan.quant)}
 
 
-def choose_quant(plan: Plan, quant: str) -> None:
-    """--quant: `auto` takes the precision the target's tensor cores and the engine's kernels
-    accelerate (profiles.Profile.choose_quant); a named precision is taken as asked, with a
+def choose_quant(plan: Plan, quant: str, not_quantized: str | None = None) -> None:
+    """--quant: `auto` (the default) takes the precision the target's tensor cores and the
+    engine's kernels accelerate (profiles.Profile.choose_quant), or 16-bit weights where this kind
+    of package is `not_quantized` (the reason); a named precision is taken as asked, with a
     warning in the reason where the engine has no kernel for it on this target."""
     if quant == "none":
         return
     auto, why = plan.target.choose_quant(plan.engine, plan.engine_version)
     if quant == "auto":
-        plan.quant, plan.quant_reason = auto, why
+        plan.quant, plan.quant_reason = ("none", f"{not_quantized} (--quant auto)") if not_quantized else (auto, why)
         return
     plan.quant = quant
     if plan.target.has_quant_kernel(plan.engine, plan.engine_version, quant):

@@ -82,7 +82,7 @@ class SemiStructured:
         if job.plan.sparse_kernel:
             config_extra = vllm_export.sparse24_quantization_config(manifest["checks"]["zero_fraction"])
         vllm_export.write_package(job.tmp, job.out, model, job.tok, manifest, report.render_sparse(manifest),
-                                  config_extra=config_extra)
+                                  config_extra=config_extra, finish_checkpoint=job.finish_checkpoint)
 
 
 def prune(job: Job, method: str, windows: torch.Tensor, sparsity: Sparsity) -> dict:

@@ -130,7 +130,8 @@ class Structured:
                                            manifest["method"]["format"])
         else:
             exporter(job.cfg.format).write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render(manifest),
-                                                   **({"dtype": job.cfg.onnx_dtype} if job.cfg.format == "onnx" else {}))
+                                                   **({"dtype": job.cfg.onnx_dtype} if job.cfg.format == "onnx"
+                                                      else {"finish_checkpoint": job.finish_checkpoint}))
 
 
 # --- the methods' stages ---------------------------------------------------------------------------

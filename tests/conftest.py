@@ -83,11 +83,12 @@ def text_file(tmp_path_factory) -> Path:
 def real_package(tmp_path_factory, real_model_dir) -> Path:
     """One package of the real model (retention 0.5, target a100, the planner's method: one-shot
     activation, then heal), shared by the slow tests (so real vLLM serves a healed package). One
-    heal step and 8 chat answers: the tests check the path, bench/heal.py the quality."""
+    heal step and 8 chat answers: the tests check the path, bench/heal.py the quality. 16-bit
+    weights (--quant none): test_vllm_quant quantizes it itself."""
     from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimize
     out = tmp_path_factory.mktemp("real") / "smollm2-a100-r0.50"
     optimize(OptimizeConfig(target="a100", retain=0.5, out=str(out),
                             data=DataConfig(calib_windows=2, eval_windows=1, seq_len=512),
-                            heal=HealSettings(tokens=4 * 512, seq_len=512, chat=8)),
+                            heal=HealSettings(tokens=4 * 512, seq_len=512, chat=8), quant="none"),
              log=lambda *_: None)
     return out

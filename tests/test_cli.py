@@ -20,7 +20,8 @@ def _leftovers(parent):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_optimize_writes_a_complete_package(tiny_dirs, text_file, tmp_path, family):
-    """The default path: the planner's method (one-shot, then heal) on a small heal budget."""
+    """The default path: the planner's method (one-shot, then heal, then the target's precision:
+    FP8 W8A8 on an L4) on a small heal budget."""
     out = tmp_path / "pkg"
     other = tmp_path / "eval.txt"  # the evaluation text is never the heal (calibration) text
     other.write_text("\n".join(f"Line {i} of another text, on other things than the calibration." for i in range(300)))
@@ -34,6 +35,8 @@ def test_optimize_writes_a_complete_package(tiny_dirs, text_file, tmp_path, fami
     m = json.loads((out / "manifest.json").read_text())
     assert m["target"]["name"] == "l4" and m["method"]["plan"] == "activation"
     assert m["heal"]["steps"] == 4 and m["heal"]["tokens"] == 1024  # 4 sequences of 64 a step
+    assert m["quantization"]["precision"] == "fp8" and "quantization: FP8 W8A8" in r.output
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
     assert 0.45 < m["method"]["retain_achieved"] <= 0.6
     assert m["size"]["params_pruned"] < m["size"]["params_dense"]
     assert m["quality"]["perplexity"]["pruned"] > 1
@@ -100,22 +103,22 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_a_gguf_of_an_unknown_architecture_is_refused_from_its_metadata(tmp_path, monkeypatch):
-    """Before anything is de-quantised: the header alone says 'phi3' (no adapter for Phi-3's fused
-    projections yet; a real GGUF's metadata, here without its tensors), and a .gguf that is not
-    one is a one-line error too."""
+    """Before anything is de-quantised: the header alone says 'falcon' (no adapter: not a LLaMA-style
+    decoder; a real GGUF's metadata, here without its tensors), and a .gguf that is not one is a
+    one-line error too."""
     import gguf
 
     from optimizer import load
     monkeypatch.setattr(load, "cache_dir", lambda: tmp_path / "cache")
-    f = tmp_path / "phi-3-mini.gguf"
-    w = gguf.GGUFWriter(str(f), "phi3")
+    f = tmp_path / "falcon-7b.gguf"
+    w = gguf.GGUFWriter(str(f), "falcon")
     w.add_block_count(18)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert load.gguf_metadata(f, "phi3.block_count") == 18
-    _bad(tmp_path, [f, "--target", "a100"], "unsupported architecture 'phi3' (GGUF metadata)")
+    assert load.gguf_metadata(f, "falcon.block_count") == 18
+    _bad(tmp_path, [f, "--target", "a100"], "unsupported architecture 'falcon' (GGUF metadata)")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"\x00" * 10)
     _bad(tmp_path, [junk, "--target", "a100"], "could not read the GGUF metadata")
@@ -261,7 +264,7 @@ def test_the_ideal_ratio_leaves_out_an_untied_input_embedding(tmp_path, tokenize
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(d), "--target", "a100", "--method", "activation", "--retain", "0.6",
                                       "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
-                                      "--calib-windows", "2", "--eval-windows", "1", "--no-heal", "-o", str(out)])
+                                      "--calib-windows", "2", "--eval-windows", "1", "--no-heal", "--quant", "none", "-o", str(out)])
     assert r.exit_code == 0, r.output
     size = json.loads((out / "manifest.json").read_text())["size"]
     lookup = cfg.vocab_size * cfg.hidden_size

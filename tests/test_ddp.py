@@ -287,7 +287,7 @@ def test_a_run_at_another_training_length_gets_its_own_checkpoint(tiny_dirs, tex
                                       out=str(tmp_path / f"p{seq}"),
                                       data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=2,
                                                       eval_windows=1, seq_len=64),
-                                      ddp=DDPSettings(steps=2, seq_len=seq), heal=HealSettings(tokens=0)),
+                                      ddp=DDPSettings(steps=2, seq_len=seq), heal=HealSettings(tokens=0), quant="none"),
                                log=lambda *_: None)
         ddp = res["manifest"]["method"]["ddp"]
         assert ddp["seq_len"] == seq and ddp["resumed_from_step"] == 0

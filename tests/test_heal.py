@@ -175,7 +175,7 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
                                       "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
                                       "--heal-data", str(other), "--heal-tokens", "8192", "--seq-len", "128",
-                                      "--calib-windows", "2", "--eval-windows", "1", "-o", str(out)],
+                                      "--calib-windows", "2", "--eval-windows", "1", "--quant", "none", "-o", str(out)],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())
@@ -196,7 +196,7 @@ def test_optimize_heals_with_lean_memory(tiny_dirs, text_file, tmp_path):
                                       "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
                                       "--heal-data", str(other), "--heal-tokens", "4096", "--seq-len", "128",
                                       "--heal-memory", "lean", "--calib-windows", "2", "--eval-windows", "1",
-                                      "-o", str(out)], catch_exceptions=False)
+                                      "--quant", "none", "-o", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "lean memory (Adafactor, activations recomputed per block)" in r.output
     h = json.loads((out / "manifest.json").read_text())["heal"]
@@ -213,7 +213,7 @@ def test_optimize_scores_zero_shot_dense_before_and_after_healing(tiny_dirs, tex
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6",
                                       "--calib", str(text_file), "--eval", str(other), "--seq-len", "64",
                                       "--calib-windows", "2", "--eval-windows", "1", "--heal-tokens", "512",
-                                      "--zeroshot", "3", "-o", str(out)], catch_exceptions=False)
+                                      "--zeroshot", "3", "--quant", "none", "-o", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())
     z = m["quality"]["zeroshot"]

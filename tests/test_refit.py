@@ -95,7 +95,7 @@ def test_optimize_with_refit_writes_a_package_that_matches_its_masked_model(tiny
     the report say what the refit did; --refit is refused where it does not apply."""
     from optimizer.errors import UserError
     from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, RefitSettings, optimize
-    common = dict(model=str(tiny_dirs["llama"]), target="a100", heal=HealSettings(tokens=0),
+    common = dict(model=str(tiny_dirs["llama"]), target="a100", heal=HealSettings(tokens=0), quant="none",
                   data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=8, eval_windows=1, seq_len=128))
     quiet = dict(log=lambda *_: None)
     plain = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "plain"), **common), **quiet)
@@ -130,7 +130,7 @@ def test_a_refit_that_raises_the_held_out_loss_is_not_applied(tiny_dirs, text_fi
 
     monkeypatch.setattr(optimizer.refit, "refit_masks", harmful)
     common = dict(model=str(tiny_dirs["llama"]), target="a100", method="activation", retain=0.6,
-                  heal=HealSettings(tokens=0), data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=2, eval_windows=1, seq_len=64))
+                  heal=HealSettings(tokens=0), quant="none", data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=2, eval_windows=1, seq_len=64))
     plain = optimize(OptimizeConfig(out=str(tmp_path / "plain"), **common), log=lambda *_: None)["manifest"]
     tried = optimize(OptimizeConfig(out=str(tmp_path / "tried"), refit=RefitSettings(), **common),
                      log=lambda *_: None)["manifest"]

@@ -10,6 +10,7 @@ from optimizer.adapters.gemma3 import Gemma3Adapter
 from optimizer.adapters.llama import LlamaAdapter
 from optimizer.adapters.mistral import MistralAdapter
 from optimizer.adapters.mixtral import MixtralAdapter, MoEAdapter, MoEParts
+from optimizer.adapters.phi3 import Phi3Adapter
 from optimizer.adapters.qwen2 import Qwen2Adapter
 from optimizer.adapters.qwen2_moe import Qwen2MoeAdapter
 from optimizer.adapters.qwen3 import Qwen3Adapter
@@ -17,7 +18,7 @@ from optimizer.adapters.qwen3_moe import Qwen3MoeAdapter
 from optimizer.errors import UserError
 
 _ADAPTERS: dict[str, DecoderAdapter] = {
-    t: a() for a in (LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, Gemma3Adapter,
+    t: a() for a in (LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, Gemma3Adapter, Phi3Adapter,
                      MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter) for t in a.model_types
 }
 

@@ -156,3 +156,13 @@ class DecoderAdapter:
     def per_layer_refusal(self, config, shapes: list[dict]) -> str | None:
         """Why these per-layer shapes cannot be written as our per-layer model, or None."""
         return None
+
+    # --- families whose checkpoint fuses projections (Phi-3) ------------------------------------
+    def working_model(self, model):
+        """The model the job prunes, heals and quantizes: `model` itself, or for a family whose
+        checkpoint fuses projections the same function with LLaMA's separate Linears."""
+        return model
+
+    def finish_checkpoint(self, directory, source_config: dict) -> None:
+        """Rewrite the working model's checkpoint written in `directory` as this family's own
+        (fused tensors, the source's config); nothing to do for most families."""
