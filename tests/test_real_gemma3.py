@@ -11,11 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from optimizer import budget, data, load
-from optimizer.adapters import get_adapter
+from optimizer import load
 from optimizer.cli import optimize
-from optimizer.methods.activation import ActivationImportance
-from optimizer.surgery import masked, prune
 
 pytestmark = pytest.mark.real_model
 
@@ -33,21 +30,9 @@ def test_the_gguf_converts_to_a_tied_gemma3(gemma_dir):
 
 
 def test_masked_equals_pruned_on_gemma3(gemma_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float64).eval()
-    tok = AutoTokenizer.from_pretrained(gemma_dir)
-    adapter = get_adapter(model.config)
-    windows = data.token_windows(tok, data.builtin_text("calib").text, 128, 3)
-    imp = ActivationImportance(model, adapter)
-    imp.add_batch(model, windows[:2])
-    imp.remove_hooks()
-    shape = budget.uniform_candidates(adapter, model.config, 0.5)[0]
-    assert shape.num_kv_heads == 1 and shape.num_heads < model.config.num_attention_heads
-    masks = imp.decide(shape)
-    with torch.inference_mode(), masked(model, adapter, masks):
-        ref = model(windows[2:]).logits
-    with torch.inference_mode():
-        got = prune(model, adapter, masks)(windows[2:]).logits
+    from tests.test_real_model import masked_and_pruned
+    (config, _, shape, got, ref), = masked_and_pruned(gemma_dir, 128, (0.5,))
+    assert shape.num_kv_heads == 1 and shape.num_heads < config.num_attention_heads
     torch.testing.assert_close(got, ref, atol=1e-7, rtol=1e-7)
 
 

@@ -16,25 +16,30 @@ from optimizer.surgery import masked, prune
 pytestmark = pytest.mark.real_model
 
 
-def test_masked_equals_pruned_on_the_real_model(real_model_dir):
-    # float64, so that the comparison is about what was removed, not about summation order
-    model = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float64).eval()
-    tok = AutoTokenizer.from_pretrained(real_model_dir)
+def masked_and_pruned(model_dir, seq_len: int, retains):
+    """For each retain: (shape, pruned logits, masked logits) of the one-shot method's masks on
+    real weights, in float64 so the comparison is about what was removed, not summation order."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
     adapter = get_adapter(model.config)
-    windows = data.token_windows(tok, data.builtin_text("calib").text, 256, 3)
+    windows = data.token_windows(tok, data.builtin_text("calib").text, seq_len, 3)
     imp = ActivationImportance(model, adapter)
     imp.add_batch(model, windows[:2])
     imp.remove_hooks()
-    for retain in (0.7, 0.5):
+    for retain in retains:
         shape = budget.uniform_candidates(adapter, model.config, retain)[0]
         masks = imp.decide(shape)
         with torch.inference_mode(), masked(model, adapter, masks):
             ref = model(windows[2:]).logits
-        pruned = prune(model, adapter, masks)
         with torch.inference_mode():
-            got = pruned(windows[2:]).logits
+            got = prune(model, adapter, masks)(windows[2:]).logits
+        yield model.config, adapter, shape, got, ref
+
+
+def test_masked_equals_pruned_on_the_real_model(real_model_dir):
+    for retain, (config, adapter, shape, got, ref) in zip((0.7, 0.5), masked_and_pruned(real_model_dir, 256, (0.7, 0.5))):
         torch.testing.assert_close(got, ref, atol=1e-8, rtol=1e-8)
-        assert budget.retention(adapter, model.config, shape) <= retain
+        assert budget.retention(adapter, config, shape) <= retain
 
 
 def test_real_package(real_package, real_model_dir):
