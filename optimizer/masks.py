@@ -73,6 +73,7 @@ class SparseMasks:
 
 
 class ExpertMasks(NamedTuple):
-    """Per MoE layer, the kept routed experts (ascending) and the scale each ships with."""
+    """Per MoE layer, the kept routed experts (ascending) and the scale each ships with (None:
+    the one-shot importance keeps experts as they are)."""
     keep: list[list[int]]
-    scales: list[torch.Tensor]
+    scales: list[torch.Tensor] | None = None

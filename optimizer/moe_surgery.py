@@ -24,6 +24,7 @@ model (vLLM plugin), which is not built.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -64,6 +65,18 @@ def check_keep(adapter: MoEAdapter, config, keep: Sequence[Sequence[int]], scale
         for i, kept, s in zip(layers, keep, scales):
             if s is not None and len(s) != len(kept):
                 raise UserError(f"layer {i}: {len(s)} scales for {len(kept)} kept experts")
+
+
+def experts_to_keep(adapter: MoEAdapter, config, retain: float) -> int:
+    """Routed experts per MoE layer that `--retain` keeps: floor(retain · E), so the routed experts'
+    parameters never exceed the budget; at least top-k, or a one-line refusal."""
+    n, k = adapter.num_experts(config), adapter.experts_per_token(config)
+    keep = math.floor(retain * n + 1e-9)
+    if keep < k:
+        raise UserError(f"--retain {retain} keeps {keep} of {n} experts per MoE layer, fewer than the {k} every "
+                        f"token is routed to (num_experts_per_tok); use --retain {math.ceil(k / n * 100) / 100:g} "
+                        f"or more")
+    return keep
 
 
 def uniform_count(keep: Sequence[Sequence[int]]) -> int:

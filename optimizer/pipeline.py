@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Callable
 
 from optimizer import budget, load, plan as planner, profiles, sparsity
-from optimizer.adapters import get_adapter, onnx_families
+from optimizer.adapters import MoEAdapter, get_adapter, onnx_families
 from optimizer.config import (DataConfig, DDPSettings, HealSettings, OptimizeConfig, RefitSettings, RoISettings,
                               SISettings, validate)
 from optimizer.errors import UserError
 from optimizer.job import Job, staged
+from optimizer.moe_surgery import experts_to_keep
 
 __all__ = ["optimize", "validate", "OptimizeConfig", "DataConfig", "DDPSettings", "RoISettings", "SISettings",
            "RefitSettings", "HealSettings"]
@@ -33,7 +34,6 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     if plan.sparsity and cfg.quant not in ("none", "auto"):
         raise UserError(f"the plan is semi-structured ({plan.method}), which is not quantized yet: "
                         f"use --method structured or --quant none")
-    planner.choose_quant(plan, cfg.quant, not_quantized=_not_quantized(cfg, plan))
     source = load.resolve(cfg.model)
     from transformers import AutoConfig
     try:
@@ -41,12 +41,20 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     except Exception as e:
         raise UserError(f"{source.description}: unreadable config ({type(e).__name__})") from None
     adapter = get_adapter(hf_config)
+    moe = isinstance(adapter, MoEAdapter)
+    if moe:
+        check_moe(cfg, adapter)
+        planner.for_experts(plan, cfg.method, adapter.family)
+    planner.choose_quant(plan, cfg.quant, not_quantized=_not_quantized(cfg, plan, moe))
     if cfg.format == "onnx" and not adapter.onnx_export:
         raise UserError(f"{adapter.family}: ONNX export covers the LLaMA-shaped families "
                         f"({', '.join(onnx_families())}); use --format vllm")
     if cfg.layout == "per-layer" and not adapter.per_layer:
         raise UserError(f"{adapter.family}: no per-layer model class for this family; use --layout uniform")
-    if plan.sparsity:
+    if moe:
+        n_keep = experts_to_keep(adapter, hf_config, cfg.retain)
+        plan.prediction = planner.roofline_experts(target, adapter, hf_config, n_keep, meta_params(hf_config))
+    elif plan.sparsity:
         for name, width in adapter.input_widths(hf_config).items():
             sparsity.parse(plan.sparsity).check_shape(width, name)
         plan.prediction = planner.roofline_sparse(target, adapter, hf_config, plan.sparse_kernel)
@@ -67,7 +75,9 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
 
     level = f"s{plan.sparsity.replace(':', 'of')}" if plan.sparsity else f"r{cfg.retain:.2f}"
     out = Path(cfg.out or f"out/{source.name}-{target.name}-{plan.method}-{level}")
-    if plan.sparsity:
+    if moe:
+        from optimizer.experts import Experts as Kind
+    elif plan.sparsity:
         from optimizer.semistructured import SemiStructured as Kind
     else:
         from optimizer.structured import Structured as Kind
@@ -75,8 +85,37 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         return Job(cfg, target, plan, source, adapter, out, tmp, log).run(Kind())
 
 
-def _not_quantized(cfg: OptimizeConfig, plan) -> str | None:
+def check_moe(cfg: OptimizeConfig, adapter) -> None:
+    """What the expert kind does not do, refused in one line before any work."""
+    if cfg.format != "vllm":
+        raise UserError(f"{adapter.family}: MoE packages are vLLM packages (the ONNX decoder has no MoE block); "
+                        f"drop --format {cfg.format}")
+    if cfg.layout != "uniform":
+        raise UserError(f"{adapter.family}: MoE models keep the same number of experts in every layer "
+                        f"(a stock config); use --layout uniform")
+    if cfg.refit is not None:
+        raise UserError("--refit refits the kept columns of pruned heads and channels; MoE models lose whole "
+                        "experts, so there is nothing to refit: drop --refit")
+    if cfg.budget != "params":
+        raise UserError("--budget latency applies to heads and channels; for MoE models --retain is the share "
+                        "of routed experts kept: drop --budget")
+    if cfg.quant not in ("none", "auto"):
+        raise UserError(f"{adapter.family}: MoE packages are not quantized yet (the fused 3-D expert tensors "
+                        f"need their own scheme): use --quant none or auto")
+
+
+def meta_params(hf_config) -> int:
+    """The model's parameter count from its config alone (built on the meta device: no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
+
+
+def _not_quantized(cfg: OptimizeConfig, plan, moe: bool = False) -> str | None:
     """Why this kind of package keeps 16-bit weights whatever the target accelerates, or None."""
+    if moe:
+        return "MoE packages are not quantized yet"
     if cfg.format != "vllm":
         return "ONNX packages are not quantized yet"
     if cfg.layout != "uniform":

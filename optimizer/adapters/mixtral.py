@@ -63,6 +63,8 @@ class MoEAdapter(DecoderAdapter):
     """A decoder whose MLPs are (partly) sparse MoE blocks; attention as in DecoderAdapter."""
 
     experts_key = "num_local_experts"   # the config field holding E
+    onnx_export = False                 # the functional ONNX decoder has no MoE block
+    per_layer = False                   # expert removal is uniform: one expert count in the config
     expert_width_key = "intermediate_size"
 
     # --- where things live -------------------------------------------------------------

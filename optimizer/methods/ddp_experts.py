@@ -25,8 +25,6 @@ Heads and KV groups of MoE models are not gated together with experts yet.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,7 +33,7 @@ from optimizer.errors import UserError
 from optimizer.masks import ExpertMasks
 from optimizer.methods.ddp import DDPConfig, kd_backward
 from optimizer.methods.gates import GateTraining
-from optimizer.moe_surgery import as_moe_adapter, moe_parts, route_hook, scale_hook
+from optimizer.moe_surgery import as_moe_adapter, experts_to_keep, moe_parts, route_hook, scale_hook
 
 ALGORITHM = "ddp-experts-1: routed-expert gates, relu, routed around at z <= 0, inequality AL"
 
@@ -98,11 +96,7 @@ class ExpertGates(GateTraining):
 
     def budget_count(self) -> int:
         """Experts per MoE layer that fit the budget (all experts cost the same parameters)."""
-        n = math.floor(self.cfg.retain * self.n + 1e-9)
-        if n < self.k:
-            raise UserError(f"retain {self.cfg.retain} keeps {n} of {self.n} experts per layer, fewer than the "
-                            f"{self.k} every token is routed to")
-        return n
+        return experts_to_keep(self.adapter, self.model.config, self.cfg.retain)
 
     def decide(self, n_keep: int | None = None) -> ExpertMasks:
         """Per MoE layer, the `n_keep` experts with the largest z (ascending), their ReLU(z) as scales."""

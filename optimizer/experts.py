@@ -1,0 +1,127 @@
+"""The expert kind of job, for MoE models: remove whole routed experts, the same number per layer.
+
+method   the one-shot REAP-style importance (`--method activation`, the default: router-weighted
+         expert output norms on the calibration windows, `methods/reap.py`), or DDP's expert gates
+         (`--method ddp`, `methods/ddp_experts.py`: the gates' ReLU(z) ship as scales folded
+         into the kept experts); either keeps floor(--retain · E) experts in every MoE layer
+surgery  router rows and both 3-D expert tensors sliced (`moe_surgery.prune_experts`), checked
+         against the masked model (removed experts' router logits at −inf) on the held-out window
+export   a vLLM package of the same architecture with fewer experts in its config
+
+How `--retain` is split: it is the share of *routed experts* kept (their parameters are nearly
+all of an MoE model's), uniform across MoE layers so the package is a stock config; attention,
+shared experts, dense layers and the routers' kept rows stay whole. Heads and channels of MoE
+models are not pruned yet. The report gives the parameters, the active parameters per token
+(unchanged: top-k stays) and the roofline's account of what removing experts saves.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from exporters import vllm as vllm_export
+from optimizer import plan as planner
+from optimizer import report
+from optimizer.job import MAX_MODEL_LEN, Decision, Job
+from optimizer.methods.ddp import DDPConfig, peak_rss_gib
+from optimizer.methods.ddp_experts import ExpertGates
+from optimizer.methods.reap import ExpertImportance
+from optimizer.moe_surgery import experts_to_keep, masked_experts, prune_experts
+from optimizer.sequential import calibration_dtype
+
+
+class Experts:
+    edits_in_place = False  # surgery builds a new model; job.model stays the dense teacher
+
+    # --- method: observe → decide ----------------------------------------------------------------
+    def method(self, job: Job) -> Decision:
+        cfg, model, adapter = job.cfg, job.model, job.adapter
+        n_keep = experts_to_keep(adapter, model.config, cfg.retain)
+        if job.plan.method == "ddp":
+            method, detail = train_expert_gates(job)
+        else:
+            method = ExpertImportance(model, adapter)
+            windows = job.calib.train[: cfg.data.calib_windows]
+            for w in tqdm(windows, desc="calibrating", unit="win"):
+                method.observe(w[None])
+            method.close()
+            detail = {"tokens": windows.numel(),
+                      "scores": [[round(float(v), 6) for v in layer] for layer in method.scores()],
+                      "tokens_routed": method.tokens.tolist()}
+        masks = method.decide(n_keep)
+        detail["calibration"] = {"source": job.calib.text.description, "tokens": detail.pop("tokens")}
+        n = adapter.num_experts(model.config)
+        job.log(f"experts: {n_keep} of {n} routed experts kept in each of {len(masks.keep)} MoE layers "
+                f"(top-{adapter.experts_per_token(model.config)} routing kept)")
+        return Decision(masks, detail, {"n_keep": n_keep})
+
+    # --- surgery ----------------------------------------------------------------------------------
+    def surgery(self, job: Job, decision: Decision):
+        model, adapter, masks = job.model, job.adapter, decision.masks
+        pruned = prune_experts(model, adapter, masks.keep, masks.scales)
+        held_out = job.calib.held_out[:, :256]
+        with torch.inference_mode(), masked_experts(model, adapter, masks.keep, masks.scales):
+            ref = model(held_out).logits
+        with torch.inference_mode():
+            max_diff = (pruned(held_out).logits - ref).abs().max().item()
+        if max_diff > 1e-3 * max(1.0, ref.abs().max().item()):
+            raise RuntimeError(f"internal check failed: pruned model differs from the masked model by {max_diff}")
+        decision.extra["max_diff"] = max_diff
+        return pruned
+
+    # --- the manifest's sections ------------------------------------------------------------------
+    def describe(self, job: Job, decision: Decision, pruned) -> dict:
+        cfg, model, adapter = job.cfg, job.model, job.adapter
+        config, n_keep = model.config, decision.extra["n_keep"]
+        dense_params = sum(p.numel() for p in model.parameters())
+        pruned_params = sum(p.numel() for p in pruned.parameters())
+        job.plan.prediction = planner.roofline_experts(job.target, adapter, config, n_keep, dense_params)
+        e = job.plan.prediction["experts"]
+        n = adapter.num_experts(config)
+        method = {"name": job.plan.method, "plan": job.plan.method, "layout": "uniform", "budget": "routed experts",
+                  "retain_requested": cfg.retain, "retain_achieved": n_keep / n, "seed": cfg.seed,
+                  "experts": {"dense": n, "kept": n_keep, "top_k": e["top_k"], "moe_layers": adapter.moe_layers(config),
+                              "keep": decision.masks.keep},
+                  **decision.detail}
+        lookup = 0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel()
+        active = e["active_params"] + lookup  # top-k unchanged: as many expert weights per token
+        size = {"params_dense": dense_params, "params_pruned": pruned_params, "lookup_params": lookup,
+                "active_params_dense": active, "active_params_pruned": active,
+                "bf16_bytes_dense": 2 * dense_params, "bf16_bytes_pruned": 2 * pruned_params,
+                # every expert read: the large-batch limit (the roofline gives batch 1 and 16)
+                "ideal_ratio": (dense_params - lookup) / (pruned_params - lookup)}
+        engine = vllm_export.engine_section(job.target.kind, MAX_MODEL_LEN, job.out.name)
+        return {"format": "vllm", "method": method, "size": size, "engine": engine,
+                "checks": {"masked_vs_pruned_max_abs_logit_diff": decision.extra["max_diff"]}}
+
+    # --- export -----------------------------------------------------------------------------------
+    def export(self, job: Job, pruned, manifest: dict) -> None:
+        vllm_export.write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render_experts(manifest),
+                                  finish_checkpoint=job.finish_checkpoint)
+
+
+def train_expert_gates(job: Job):
+    """DDP's expert gates from the dense model (z = 1), trained by KD to the dense model under
+    the --retain budget on the routed experts (checkpointed, resumable)."""
+    cfg, model, adapter = job.cfg, job.model, job.adapter
+    batch, lr_end = cfg.ddp.by_layout("uniform")
+    ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp.steps, batch=batch, seed=cfg.seed, lr=cfg.ddp.lr,
+                        lr_end=lr_end, beta=cfg.ddp.beta,
+                        dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."))
+    gates = ExpertGates(model, adapter, ddp_cfg)
+    d = cfg.data
+    seq = cfg.ddp.seq_len if d.seq_len % cfg.ddp.seq_len == 0 else d.seq_len
+    chunks = job.calib.train.reshape(-1, seq)
+    ckpt = job.checkpoint("ddp-experts", [seq, vars(ddp_cfg)])
+    run = job.train(gates, chunks, ddp_cfg.steps, ddp_cfg.batch, ckpt, "DDP expert gates",
+                    lambda s: {"kd": f"{s['kd']:.3f}", "retain": f"{s['retain']:.3f}", "lam": f"{s['lambda']:.2f}"})
+    gates.close()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    detail = {"tokens": ddp_cfg.steps * ddp_cfg.batch * seq,
+              "ddp": {**vars(ddp_cfg), "seq_len": seq, "wall_s": run["wall_s"],
+                      "resumed_from_step": run["resumed_from_step"], "final": run["final"],
+                      "peak_rss_gib": round(peak_rss_gib(), 2), "checkpoint": run["checkpoint"],
+                      "positive_gates": int((gates.values() > 0).sum())}}
+    return gates, detail

@@ -1,0 +1,73 @@
+"""One-shot expert importance for MoE models, REAP-style (router-weighted expert activation).
+
+Observe: on calibration text, for every token the router sends to routed expert e of an MoE
+layer, the expert's output norm times the router weight the token gives it,
+g_e(x) · ‖f_e(x)‖₂; the score is its mean over the tokens routed to e (REAP, Lasby et al. 2025:
+an expert that is rarely chosen, or chosen with little weight, or whose output is small,
+contributes little to the layer's output). An expert no calibration token reached scores 0.
+
+Decide: `decide(n_keep)` → `ExpertMasks` keeping, in every MoE layer, the `n_keep` experts with
+the highest scores (ascending indices; no scales), for `moe_surgery.prune_experts`.
+
+The statistics come from a forward pre-hook on the fused experts module, which receives the
+hidden states, the top-k index and the top-k weights the family's router computed: the expert
+outputs are recomputed from the 3-D weight tensors, so the score does not depend on which
+kernel the experts module dispatches to.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from optimizer.errors import UserError
+from optimizer.masks import ExpertMasks
+from optimizer.methods.base import Method
+from optimizer.moe_surgery import as_moe_adapter, moe_parts
+
+
+def expert_outputs(experts, hidden: torch.Tensor, expert: int) -> torch.Tensor:
+    """f_e(hidden) for one routed expert of a fused experts module (no router weight)."""
+    gate, up = F.linear(hidden, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+    return F.linear(experts.act_fn(gate) * up, experts.down_proj[expert])
+
+
+class ExpertImportance(Method):
+    def __init__(self, model, adapter):
+        self.model, self.adapter = model, as_moe_adapter(adapter)
+        self.parts = moe_parts(model, self.adapter)
+        self.n = self.adapter.num_experts(model.config)
+        self.k = self.adapter.experts_per_token(model.config)
+        self.weighted_norm = torch.zeros(len(self.parts), self.n, dtype=torch.float64)
+        self.tokens = torch.zeros(len(self.parts), self.n, dtype=torch.long)
+        self._handles = [p.experts.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+                         for i, p in enumerate(self.parts)]
+
+    def _hook(self, layer: int):
+        def hook(experts, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]
+            for e in index.unique().tolist():
+                token, slot = torch.where(index == e)
+                norm = expert_outputs(experts, hidden[token], e).float().norm(dim=-1)
+                self.weighted_norm[layer, e] += (weights[token, slot].float() * norm).sum().double()
+                self.tokens[layer, e] += len(token)
+        return hook
+
+    # --- observe --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def observe(self, input_ids: torch.Tensor) -> dict:
+        self.model(input_ids)
+        return {}
+
+    def scores(self) -> torch.Tensor:
+        """[MoE layers, E]: mean router-weighted output norm over the tokens routed to each expert."""
+        return self.weighted_norm / self.tokens.clamp(min=1)
+
+    # --- decide ---------------------------------------------------------------------------------
+    def decide(self, n_keep: int) -> ExpertMasks:
+        if not self.k <= n_keep <= self.n:
+            raise UserError(f"keep {n_keep} experts per layer: must be between top-k {self.k} and {self.n}")
+        keep = [sorted(s.topk(n_keep).indices.tolist()) for s in self.scores()]
+        return ExpertMasks(keep, None)
