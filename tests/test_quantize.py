@@ -247,3 +247,22 @@ def test_gptq_is_the_column_by_column_sweep():
         return float(((e @ H) * e).sum() / ((w0 @ H) * w0).sum())
     assert torch.isclose(ours, ref, rtol=0, atol=1e-6).float().mean() > 0.99
     assert error(ours) == pytest.approx(error(ref), rel=1e-2)
+
+
+def test_kernel_shape_misses_names_the_fused_shapes_vllm_cpu_cannot_pack():
+    """vLLM fuses q/k/v and gate/up; on an AMX CPU its int8 weight packing fails at a fused
+    N % 32 == 16, which the stage must not call a slower path."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from optimizer.quantize import kernel_shape_misses
+    dense = tiny_model("llama")
+    assert kernel_shape_misses(dense, get_adapter(dense.config), "int8") == []
+    cfg = LlamaConfig(vocab_size=128, hidden_size=96, num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                      intermediate_size=24, num_hidden_layers=2)   # q/k/v: 48 + 16 + 16 = 80, gate/up: 48
+    model = AutoModelForCausalLM.from_config(cfg)
+    lines = kernel_shape_misses(model, get_adapter(cfg), "int8")
+    fused = [line for line in lines if "fused by vLLM" in line]
+    assert len(fused) == 2 and "q/k/v fused by vLLM into N = 80" in fused[0] and "N = 48" in fused[1]
+    assert all("server does not start" in line for line in fused)
+    assert any("slower path" in line for line in lines)   # up_proj's N = 24 is a plain miss
+    assert not any("fused" in line for line in kernel_shape_misses(model, get_adapter(cfg), "w4a16"))
