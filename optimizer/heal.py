@@ -319,7 +319,10 @@ def heal(job, model):
     before["held_out_kd"] = kd_eval(model, job.teacher, held_out)
     started = time.time()
     distil = Distillation(model, job.teacher, hcfg, keep, blocks=job.adapter.blocks(model))
-    ckpt = job.checkpoint("heal", [vars(hcfg), seq, s.batch, source, distil.start_digest])
+    # the heal text's content, not only its description: the teacher's sampled chat answers
+    # can differ between machines and thread counts, and a checkpoint must be of this very data
+    data_digest = hashlib.sha256(chunks.numpy().tobytes()).hexdigest()[:16]
+    ckpt = job.checkpoint("heal", [vars(hcfg), seq, s.batch, source, distil.start_digest, data_digest])
     run = job.train(distil, chunks, steps, s.batch, ckpt, "healing",
                     lambda st: {"kd": f"{st['kd']:.3f}", "lr": f"{st['lr']:.1e}"}, max_time_s=s.time_s)
     distil.close()

@@ -187,6 +187,29 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
     assert "AdamW at 0.0003" in (out / "report.md").read_text()
 
 
+def test_a_heal_checkpoint_resumes_only_the_same_heal_text(tiny_dirs, text_file, tmp_path):
+    """The checkpoint is keyed by the heal text's content, not its name: the teacher's sampled chat
+    answers can differ between thread counts, and a resume must not continue training on other data."""
+    from optimizer.cli import optimize
+    heal_file = tmp_path / "heal.txt"
+
+    def run(text: str, name: str) -> dict:
+        heal_file.write_text(text)
+        r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6",
+                                          "--calib", str(text_file), "--eval", str(text_file), "--heal-data",
+                                          str(heal_file), "--heal-tokens", "4096", "--seq-len", "128",
+                                          "--calib-windows", "2", "--eval-windows", "1", "--quant", "none",
+                                          "--resume", "-o", str(tmp_path / name)], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        return json.loads((tmp_path / name / "manifest.json").read_text())["heal"]
+
+    first = run(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)), "a")
+    again = run(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)), "b")
+    other = run(" ".join(f"other{i % 89} words, another text {i}." for i in range(3000)), "c")
+    assert first["resumed_from_step"] == 0 and again["resumed_from_step"] == again["steps"]
+    assert other["resumed_from_step"] == 0 and other["checkpoint"] != first["checkpoint"]
+
+
 def test_optimize_heals_with_lean_memory(tiny_dirs, text_file, tmp_path):
     from optimizer.cli import optimize
     other = tmp_path / "heal.txt"
