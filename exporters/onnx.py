@@ -21,6 +21,7 @@ passed, so a graph that does not reproduce the model never becomes a package.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -104,6 +105,34 @@ def export_decoder(model, path: Path, dtype: str = "float32", external_data: boo
             "export_s": round(time.time() - t0, 2)}
 
 
+def quantize_graph(src: Path, dst: Path, external_data: bool, roles: tuple[str, ...]) -> dict:
+    """onnxruntime's own dynamic INT8 quantization of the blocks' projections named in `roles`
+    (the decoder's MatMul nodes `/layers.{i}/{role}/MatMul`; not attention's activation products,
+    not the LM head): int8 weights symmetric per output channel, activations DynamicQuantizeLinear'd
+    (uint8, per tensor) at run time, MatMulInteger. Returns the graph entries that change."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    proto = onnx.load(str(src), load_external_data=False)
+    weights = {i.name for i in proto.graph.initializer if len(i.dims) == 2}
+    wanted = {f"/{role}/MatMul" for role in roles}
+    nodes = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights
+             and n.name.startswith("/layers.") and n.name[n.name.index("/", 1):] in wanted]
+    del proto
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # its advice to run onnxruntime's pre-processing: validation is the check here
+    try:
+        quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], nodes_to_quantize=nodes,
+                         per_channel=True, weight_type=QuantType.QInt8, use_external_data_format=external_data)
+    finally:
+        root.setLevel(level)
+    # the graph and, past 2 GiB, the external data file onnxruntime names after it
+    files = [dst.name] + sorted(f.name for f in dst.parent.iterdir() if f.name.startswith(dst.name + "."))
+    onnx.checker.check_model(str(dst))
+    return {"files": files, "bytes": sum((dst.parent / f).stat().st_size for f in files),
+            "int8_matmuls": len(nodes)}
+
+
 def _example_inputs(dec: Decoder) -> tuple:
     # Sizes other than 0 and 1 (and all different), so that the tracer cannot mistake one
     # dynamic size for another or for a constant.
@@ -135,14 +164,35 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report_md: str,
-                  dtype: str = "float32", external_data: bool | None = None) -> Path:
-    """Export, validate, write the rest; rename `tmp` to `out`. The caller removes `tmp` if this raises."""
+                  dtype: str = "float32", external_data: bool | None = None, float_activations=None,
+                  int8_roles: tuple[str, ...] = ()) -> Path:
+    """Export, validate, write the rest; rename `tmp` to `out`. The caller removes `tmp` if this raises.
+
+    float_activations: given for a model quantized for onnxruntime's INT8 (optimizer/quantize.py:
+    weights on its int8 grid, activations fake-quantized by hooks), a context manager factory that
+    turns the activation quantization off. The fp32 graph is then exported and validated against the
+    model without it, quantized by onnxruntime (`quantize_graph`), and the INT8 graph validated
+    against the fake-quantized model with the INT8 tolerance; only the INT8 graph is packaged.
+    int8_roles: the block projections that are INT8 (decoder names: q, k, v, o, gate, up, down)."""
     from exporters.onnx_check import ValidationError, validate
     tmp = Path(tmp)
     model = model.float().eval()
-    graph = export_decoder(model, tmp / MODEL_FILE, dtype=dtype, external_data=external_data)
     try:
-        checks = validate(model, tmp / MODEL_FILE, dtype=dtype, tokenizer=tokenizer)
+        if float_activations is None:
+            graph = export_decoder(model, tmp / MODEL_FILE, dtype=dtype, external_data=external_data)
+            checks = validate(model, tmp / MODEL_FILE, dtype=dtype, tokenizer=tokenizer)
+        else:
+            if dtype != "float32":
+                raise ValueError("an INT8 ONNX package is quantized from the float32 graph (--onnx-dtype float32)")
+            scratch = tmp / ".float"
+            scratch.mkdir()
+            with float_activations():
+                graph = export_decoder(model, scratch / MODEL_FILE, external_data=external_data)
+                float_checks = validate(model, scratch / MODEL_FILE, tokenizer=tokenizer)
+            graph.update(quantize_graph(scratch / MODEL_FILE, tmp / MODEL_FILE, graph["external_data"], int8_roles))
+            shutil.rmtree(scratch)
+            checks = validate(model, tmp / MODEL_FILE, tokenizer=tokenizer, int8=True)
+            checks["float_graph"] = float_checks
     except ValidationError as e:
         raise RuntimeError(f"ONNX validation failed, no package written: {e}") from None
     checks["export_s"] = graph["export_s"]
@@ -160,7 +210,7 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
         (tmp / genai.FILENAME).write_text(json.dumps(cfg, indent=2) + "\n")
     engine["onnxruntime_genai"] = {"config": genai.FILENAME} if reason is None else {"unsupported": reason}
     manifest["onnx"] = {k: graph[k] for k in ("files", "dtype", "opset", "external_data", "bytes", "weight_bytes",
-                                              "tied_embeddings", "head_dim", "uniform")}
+                                              "tied_embeddings", "head_dim", "uniform", "int8_matmuls") if k in graph}
     if not graph["uniform"]:
         manifest["onnx"]["layers"] = graph["layers"]
     manifest.setdefault("checks", {})["onnx"] = checks

@@ -160,8 +160,11 @@ def validate(cfg: OptimizeConfig) -> None:
     if cfg.quant not in QUANT:
         raise UserError(f"unknown --quant '{cfg.quant}'; choose from: {', '.join(QUANT)}")
     if cfg.quant not in ("none", "auto"):  # auto falls back to 16-bit for these (plan.choose_quant)
-        if cfg.format != "vllm":
-            raise UserError("--quant applies to vLLM packages; ONNX packages are not quantized yet (use --quant none)")
+        if cfg.format == "onnx" and cfg.quant != "int8":
+            raise UserError(f"ONNX packages are quantized by onnxruntime to INT8 only: use --quant int8 or none, "
+                            f"not {cfg.quant}")
+        if cfg.format == "onnx" and cfg.onnx_dtype != "float32":
+            raise UserError("an INT8 ONNX package is quantized from the float32 graph: drop --onnx-dtype float16")
         if cfg.layout != "uniform":
             raise UserError("--quant with --layout per-layer is not written yet: use the uniform layout or --quant none")
         if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":

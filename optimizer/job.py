@@ -293,9 +293,13 @@ class Job:
         q = self.quant_detail
         if not q:
             return size
-        lookup_bytes = 2 * size.get("lookup_params", 0)  # an untied input embedding: 16-bit, not streamed
+        # the package's other values: bf16 in a vLLM package, fp32 in an ONNX one (against the dense
+        # model in the same precision)
+        per_value = q.get("bytes_per_value", 2)
+        lookup_bytes = per_value * size.get("lookup_params", 0)  # an untied input embedding: not streamed
+        dense_bytes = per_value * size["params_dense"]
         return {**size, "weight_bytes_quantized": q["weight_bytes"],
-                "ideal_ratio_quantized": (size["bf16_bytes_dense"] - lookup_bytes) / (q["weight_bytes"] - lookup_bytes)}
+                "ideal_ratio_quantized": (dense_bytes - lookup_bytes) / (q["weight_bytes"] - lookup_bytes)}
 
 
 def batch_indices(n: int, batch: int, step: int, seed: int) -> torch.Tensor:

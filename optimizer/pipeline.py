@@ -117,7 +117,7 @@ def _not_quantized(cfg: OptimizeConfig, plan, moe: bool = False) -> str | None:
     if moe:
         return "MoE packages are not quantized yet"
     if cfg.format != "vllm":
-        return "ONNX packages are not quantized yet"
+        return "ONNX packages keep fp32 weights unless asked (--quant int8: onnxruntime's dynamic INT8)"
     if cfg.layout != "uniform":
         return "per-layer packages are not quantized yet"
     if plan.sparsity:

@@ -50,6 +50,8 @@ def quantize(job, model):
     precision = job.plan.quant
     started = time.time()
     windows = job.calib.train[:min(SMOOTH_WINDOWS, job.cfg.data.calib_windows)]
+    if job.cfg.format == "onnx":
+        return quantize_for_onnxruntime(job, model, windows, started)
     group = w4_group(model, job.adapter) if precision == "w4a16" else None
     smoothing = None
     if quantizes_activations(precision):
@@ -84,6 +86,95 @@ def quantize(job, model):
 # for minutes of calibration (bench/results/quant-recipe/; the sweep matches a column-by-column
 # reference). `gptq` stays for the probes that look for a setting where it pays.
 GPTQ_PRECISIONS: tuple[str, ...] = ()
+
+
+# --- ONNX packages: onnxruntime's dynamic INT8 ---------------------------------------------------
+# onnxruntime quantizes an ONNX graph itself (onnxruntime.quantization.quantize_dynamic, the
+# exporter's step): MatMulInteger with int8 weights, symmetric per output channel on its restricted
+# grid [-127, 127] (scale = absmax / 127), and activations DynamicQuantizeLinear'd at run time: uint8,
+# asymmetric, one scale per tensor (the whole batch of tokens a MatMul reads). The PyTorch twin the
+# job evaluates and the exporter validates against is that model: the weights put on the same grid
+# here (onnxruntime re-derives exactly these integers from them), the activations fake-quantized by
+# DynamicQuantizeLinear's own formula in a pre-hook of each block Linear.
+ORT_INT8 = "onnxruntime dynamic INT8 (int8 per-channel weights, uint8 per-tensor dynamic activations)"
+
+
+# The projections onnxruntime gets in INT8. Not down_proj: its input (the gated MLP product) holds
+# the model's massive activations, hundreds of times its typical values, and one scale per tensor
+# then leaves most of it a few uint8 steps (SmolLM2-135M at 0.7: measured, bench/results/README.md).
+ORT_INT8_ROLES = ("q", "k", "v", "o", "gate", "up")
+
+
+class OrtInt8:
+    """The activation hooks of a model quantized for onnxruntime; `float_activations()` turns them
+    off (the exporter's fp32 graph is checked against the model without them). `roles`: which
+    projections of every block are INT8 (the exporter quantizes those MatMuls only)."""
+
+    def __init__(self, linears, roles=ORT_INT8_ROLES):
+        self.enabled, self.roles = True, tuple(roles)
+        self.handles = [lin.register_forward_pre_hook(self._hook) for lin in linears]
+
+    def _hook(self, _module, args):
+        return (dynamic_quantize_linear(args[0]),) + tuple(args[1:]) if self.enabled else None
+
+    def float_activations(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def off():
+            self.enabled = False
+            try:
+                yield
+            finally:
+                self.enabled = True
+        return off()
+
+
+def dynamic_quantize_linear(x: torch.Tensor) -> torch.Tensor:
+    """ONNX DynamicQuantizeLinear then dequantized: uint8, range [min(x, 0), max(x, 0)] in 255 steps,
+    zero point and values rounded half to even and saturated, as onnxruntime computes it."""
+    xf = x if x.dtype == torch.float64 else x.float()  # a float64 twin (the exporter's noise check) stays float64
+    lo, hi = xf.min().clamp(max=0), xf.max().clamp(min=0)
+    scale = (hi - lo) / 255
+    if scale == 0:
+        return x
+    zp = (-lo / scale).round().clamp(0, 255)
+    q = ((xf / scale).round() + zp).clamp(0, 255)
+    return ((q - zp) * scale).to(x.dtype)
+
+
+def quantize_for_onnxruntime(job, model, windows, started):
+    """--quant int8 for an ONNX package: smoothing, then the block Linears' weights on onnxruntime's
+    symmetric int8 grid per output channel, and the activation hooks (OrtInt8, kept on the model as
+    `model.ort_int8` for the exporter)."""
+    smooth(model, job.adapter, windows, SMOOTH_ALPHA)
+    linears = []
+    for b in job.adapter.blocks(model):
+        q, k, v, o = job.adapter.attention(b)
+        gate, up, down = job.adapter.mlp(b)
+        roles = {"q": q, "k": k, "v": v, "o": o, "gate": gate, "up": up, "down": down}
+        linears += [roles[r] for r in ORT_INT8_ROLES]
+    with torch.no_grad():
+        for lin in linears:
+            scale = (lin.weight.float().abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
+            lin.weight.copy_(((lin.weight.float() / scale).round().clamp(-127, 127) * scale).to(lin.weight.dtype))
+    model.ort_int8 = OrtInt8(linears)
+    quantized = sum(lin.weight.numel() for lin in linears)
+    params = sum(p.numel() for p in model.parameters())
+    channels = sum(lin.out_features for lin in linears)
+    job.quant_detail = {"precision": "int8", "scheme": ORT_INT8, "format": "onnx (onnxruntime.quantization)",
+                        "weights": "symmetric absmax per output channel on [-127, 127], round to nearest",
+                        "group_size": None, "gptq": None,
+                        "smoothing": {"alpha": SMOOTH_ALPHA, "tokens": windows.numel(),
+                                      "points": "q/k/v, o, gate/up and down inputs"},
+                        "activations": "dynamic per tensor (uint8, asymmetric)", "linears": len(linears),
+                        "ignore": [*IGNORE, "down_proj"], "cpu_kernel_shape_misses": [], "reason": job.plan.quant_reason,
+                        # the package is an fp32 graph but for the int8 weights (and their fp32 scales)
+                        "quantized_params": quantized, "weight_bytes": quantized + 4 * (channels + params - quantized),
+                        "bytes_per_value": 4, "wall_s": round(time.time() - started, 1)}
+    job.log(f"quantized: {len(linears)} Linear layers for onnxruntime's dynamic INT8 (smoothed, round to nearest; "
+            f"{quantized:,} int8 weights)")
+    return model
 
 
 def quantizes_activations(precision: str) -> bool:

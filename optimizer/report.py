@@ -29,10 +29,12 @@ def _quant_lines(m: dict) -> list[str]:
     if not q:
         return []
     size = m["size"]
+    per_value = q.get("bytes_per_value", 2)
+    rest, dense = ("fp32", "fp32") if per_value == 4 else ("16-bit", "bf16")
     return [f"- quantization: {q['scheme']} ({q['precision']}: weights {q['weights']}, activations "
-            f"{q['activations']}; {', '.join(q['ignore'])} and the embedding 16-bit), {q['linears']} Linear "
+            f"{q['activations']}; {', '.join(q['ignore'])} and the embedding {rest}), {q['linears']} Linear "
             f"layers; weights {size['weight_bytes_quantized'] / 1e6:.0f} MB against the dense model's "
-            f"{size['bf16_bytes_dense'] / 1e6:.0f} MB in bf16 (ideal speedup from bytes: "
+            f"{per_value * size['params_dense'] / 1e6:.0f} MB in {dense} (ideal speedup from bytes: "
             f"{size['ideal_ratio_quantized']:.2f}x)"]
 
 

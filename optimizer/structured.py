@@ -130,8 +130,14 @@ class Structured:
                                            manifest["method"]["format"])
         else:
             exporter(job.cfg.format).write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render(manifest),
-                                                   **({"dtype": job.cfg.onnx_dtype} if job.cfg.format == "onnx"
+                                                   **(self._onnx_args(job, pruned) if job.cfg.format == "onnx"
                                                       else {"finish_checkpoint": job.finish_checkpoint}))
+
+    @staticmethod
+    def _onnx_args(job: Job, pruned) -> dict:
+        int8 = getattr(pruned, "ort_int8", None)  # quantize_for_onnxruntime's activation hooks
+        return {"dtype": job.cfg.onnx_dtype,
+                **({"float_activations": int8.float_activations, "int8_roles": int8.roles} if int8 else {})}
 
 
 # --- the methods' stages ---------------------------------------------------------------------------

@@ -535,6 +535,35 @@ def test_bench_onnx_package_against_onnx_baseline(cli_packages, tmp_path):
 # the real model
 
 
+def test_optimize_onnx_int8_through_the_cli(tiny_dirs, text_file, tmp_path):
+    """--format onnx --quant int8: the fp32 graph validated against the model with float activations,
+    onnxruntime's INT8 graph (MatMulInteger) against the same model fake-quantized in PyTorch."""
+    import onnx
+    from optimizer.quantize import dynamic_quantize_linear
+    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "int8", 0.6, "--quant", "int8")
+    assert r.exit_code == 0, r.output
+    pkg = tmp_path / "int8"
+    m = json.loads((pkg / "manifest.json").read_text())
+    c = m["checks"]["onnx"]
+    assert c["tolerance_of_scale"] >= 5e-2 and c["float_graph"]["tolerance_of_scale"] == 1e-3
+    assert c["tolerance_of_scale"] == max(5e-2, 2 * c["reference_float64_noise"] / max(1.0, c["prefill"]["logits_max_abs"]))
+    assert c["float_graph"]["greedy"]["tokens"] == 32 and c["greedy"]["tokens"] == 32
+    assert c["prefill"]["logits_max_abs_diff"] <= c["tolerance_of_scale"] * max(1.0, c["prefill"]["logits_max_abs"])
+    # q, k, v, o, gate, up in each of the two blocks; down_proj stays fp32 (optimizer.quantize.ORT_INT8_ROLES)
+    assert m["quantization"]["scheme"].startswith("onnxruntime dynamic INT8") and m["onnx"]["int8_matmuls"] == 2 * 6
+    assert m["size"]["ideal_ratio_quantized"] > m["size"]["ideal_ratio"]
+    graph = onnx.load(str(pkg / "model.onnx"))
+    ops = {n.op_type for n in graph.graph.node}
+    assert {"MatMulInteger", "DynamicQuantizeLinear"} <= ops and not list(pkg.glob(".float*"))
+    assert "onnxruntime dynamic INT8" in (pkg / "report.md").read_text() and "in fp32" in (pkg / "report.md").read_text()
+    # the PyTorch twin's activation rounding is DynamicQuantizeLinear's
+    x = torch.tensor([[-1.0, 0.25, 3.0, 0.0]])
+    s = 4.0 / 255
+    zp = round(1.0 / s)
+    torch.testing.assert_close(dynamic_quantize_linear(x), ((x / s).round() + zp).clamp(0, 255).sub(zp).mul(s))
+    assert torch.equal(dynamic_quantize_linear(torch.zeros(3)), torch.zeros(3))
+
+
 @pytest.mark.real_model
 def test_real_model_onnx_package(real_model_dir, tmp_path):
     from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimize
@@ -561,3 +590,26 @@ def test_real_model_onnx_package(real_model_dir, tmp_path):
     got = [int(t) for t in gen.get_sequence(0)][len(prompt):]
     want, _ = OrtDecoder(out / "model.onnx", threads=1).greedy(prompt, len(got))
     assert got and got == want
+
+
+@pytest.mark.real_model
+def test_real_model_onnx_int8_package(real_model_dir, tmp_path):
+    """SmolLM2 at 0.7, --quant int8: onnxruntime's INT8 graph answers greedily like its PyTorch twin,
+    and differs from it by no more than the twin differs from itself in float64 (twice that at most)."""
+    from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimize
+    out = tmp_path / "smollm2-onnx-int8"
+    res = optimize(OptimizeConfig(target="cpu", method="activation", retain=0.7, out=str(out), format="onnx",
+                                  quant="int8", threads=1, heal=HealSettings(tokens=0),
+                                  data=DataConfig(calib_windows=4, eval_windows=1, seq_len=512)), log=lambda *_: None)
+    m = res["manifest"]
+    c = m["checks"]["onnx"]
+    scale = max(1.0, c["prefill"]["logits_max_abs"])
+    assert c["float_graph"]["prefill"]["logits_max_abs_diff"] < 1e-3 * scale  # the graph itself is exact
+    assert c["prefill"]["logits_max_abs_diff"] <= 2 * c["reference_float64_noise"] or \
+        c["prefill"]["logits_max_abs_diff"] <= 5e-2 * scale
+    assert c["tolerance_of_scale"] < 0.3  # the twin's own float noise stays a fraction of the scale
+    assert c["greedy"]["matched"] == 32 or c["greedy"]["parted_at_near_tie"]
+    assert m["onnx"]["int8_matmuls"] == 30 * 6 and m["onnx"]["bytes"] < 0.5 * 4 * m["size"]["params_dense"]
+    assert m["size"]["ideal_ratio_quantized"] > 1.5 * m["size"]["ideal_ratio"]
+    got, _ = OrtDecoder(out / "model.onnx", threads=1).greedy([1, 504, 3458, 282], 4)
+    assert len(got) == 4

@@ -169,7 +169,8 @@ def test_optimize_writes_a_w4a16_package_that_loads_as_the_model_it_evaluated(ti
 
 @pytest.mark.parametrize("args, message", [
     (["--quant", "int4"], "unknown --quant 'int4'"),
-    (["--quant", "int8", "--format", "onnx"], "ONNX packages are not quantized yet"),
+    (["--quant", "fp8", "--format", "onnx"], "quantized by onnxruntime to INT8 only"),
+    (["--quant", "int8", "--format", "onnx", "--onnx-dtype", "float16"], "quantized from the float32 graph"),
     (["--quant", "int8", "--method", "sparsegpt"], "semi-structured ones are not quantized yet"),
 ])
 def test_bad_quant_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, args, message):
