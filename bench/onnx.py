@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (pipeline) and onnxruntime threads (server)")
+    ap.add_argument("--quant", default="none", choices=["none", "int8"],
+                    help="the pruned packages' precision (int8: onnxruntime's dynamic INT8); the dense baseline stays fp32")
     ap.add_argument("--port", type=int, default=8131)
     ap.add_argument("--skip-serve", action="store_true", help="packages, export and validation times only")
     ap.add_argument("--reuse", action="store_true",
@@ -66,7 +68,8 @@ def main() -> None:
         benchlib.new_file(out / f"bench-r{retain:.2f}")
     torch.set_num_threads(args.threads)
     results = {"protocol": {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "target": args.target,
-                            "method": "activation (one-shot structured, uniform)", "format": "onnx fp32",
+                            "method": "activation (one-shot structured, uniform)",
+                            "format": "onnx fp32" if args.quant == "none" else "onnx int8 (pruned), fp32 (dense)",
                             "calib": str(calib), "seq_len": args.seq_len, "calib_windows": args.calib_windows,
                             "threads": args.threads, "rounds": args.rounds, "concurrency": args.concurrency,
                             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
@@ -74,19 +77,21 @@ def main() -> None:
                "dense": None, "levels": []}
     # All packages first (the dense one too), then all serving runs back to back.
     for retain in [1.0] + args.retain:
-        pkg = packages / f"{_name(args)}-r{retain:.2f}"
+        quant = args.quant if retain < 1 else "none"
+        pkg = packages / f"{_name(args)}-r{retain:.2f}" if quant == "none" else packages / f"{_name(args)}-r{retain:.2f}-{quant}"
         t0 = time.time()
         if args.reuse and (pkg / "manifest.json").is_file():
             m = json.loads((pkg / "manifest.json").read_text())
         else:
             shutil.rmtree(pkg, ignore_errors=True)
             m = optimize(OptimizeConfig(model=args.model, target=args.target, method="activation", retain=retain,
-                                        out=str(pkg), format="onnx", threads=args.threads,
+                                        out=str(pkg), format="onnx", threads=args.threads, quant=quant,
                                         data=DataConfig(calib=str(calib), calib_windows=args.calib_windows,
                                                         eval_windows=args.eval_windows, seq_len=args.seq_len),
                                         heal=HealSettings(tokens=0)))["manifest"]  # speed: healing keeps the shapes
         c = m["checks"]["onnx"]
-        entry = {"retain": retain, "package": str(pkg),
+        entry = {"retain": retain, "package": str(pkg), "quant": quant,
+                 "perplexity": (m["quality"].get("perplexity") or {}).get("pruned"),
                  "optimize_wall_s": m.get("wall_s") if args.reuse else round(time.time() - t0, 1),
                  "retain_achieved": m["method"]["retain_achieved"], "shape": m["method"]["shape"],
                  "onnx_bytes": m["onnx"]["bytes"], "export_s": c["export_s"], "validate_s": c["validate_s"],
@@ -128,14 +133,14 @@ def _markdown(results: dict) -> str:
              f"({p['calib_windows']} x {p['seq_len']} tokens); runtime/ort_server.py with {p['threads']} threads, "
              f"prompts of {p['prompt_tokens']} random tokens, {p['output_tokens']} output tokens, best of "
              f"{p['rounds']} alternating rounds against the dense model exported the same way.", ""]
-    header = ["retain (achieved)", "shape (heads/KV/MLP)", "ONNX MB", "ideal",
+    header = ["retain (achieved)", "shape (heads/KV/MLP)", "precision", "PPL", "ONNX MB", "ideal",
               *[h for c in levels for h in (f"tok/s dense/pruned c={c}", f"ratio c={c}", f"of ideal c={c}")],
               "export", "validation"]
     rows = []
     if d:
         s = d["shape"]
         rows.append(["dense", f"{s['num_heads']}/{s['num_kv_heads']}/{s['intermediate_size']}",
-                     f"{d['onnx_bytes'] / 1e6:.0f}", "1.00x", *["—"] * (3 * len(levels)),
+                     d.get("quant", "none"), f(d.get("perplexity")), f"{d['onnx_bytes'] / 1e6:.0f}", "1.00x", *["—"] * (3 * len(levels)),
                      f"{d['export_s']:.1f} s", f"{d['validate_s']:.1f} s"])
     for lv in results["levels"]:
         s, sv = lv["shape"], lv.get("serving", {})
@@ -145,9 +150,10 @@ def _markdown(results: dict) -> str:
             cells += [f"{f(x.get('dense_tok_s'), '{:.0f}')}/{f(x.get('pruned_tok_s'), '{:.0f}')}",
                       f(x.get('ratio')), f(x.get('fraction_of_ideal'), '{:.0%}')]
         rows.append([f"{lv['retain']:.2f} ({lv['retain_achieved']:.3f})",
-                     f"{s['num_heads']}/{s['num_kv_heads']}/{s['intermediate_size']}", f"{lv['onnx_bytes'] / 1e6:.0f}",
+                     f"{s['num_heads']}/{s['num_kv_heads']}/{s['intermediate_size']}", lv.get("quant", "none"),
+                     f(lv.get("perplexity")), f"{lv['onnx_bytes'] / 1e6:.0f}",
                      f"{lv['ideal_ratio']:.2f}x", *cells, f"{lv['export_s']:.1f} s", f"{lv['validate_s']:.1f} s"])
-    lines.append(benchlib.markdown_table(header, rows, align="llrr" + "rrr" * len(levels) + "rr"))
+    lines.append(benchlib.markdown_table(header, rows, align="lllrrr" + "rrr" * len(levels) + "rr"))
     lines += ["", "Validation on export (max |logit diff| vs PyTorch, prefill / decode; greedy tokens identical):", ""]
     for lv in ([d] if d else []) + results["levels"]:
         v = lv["validation"]
