@@ -76,7 +76,8 @@ def main() -> None:
             data=DataConfig(calib=str(benchlib.data_file("valid", data_dir)), eval=str(benchlib.data_file("test", data_dir)),
                             calib_windows=args.calib_windows, seq_len=2048, eval_windows=16),
             ddp=DDPSettings(steps=args.steps, batch=args.batch, lr=args.lr, lr_end=args.lr_end),
-            seed=args.seed, threads=args.threads, heal=HealSettings(tokens=0), quant="none"))["manifest"]
+            seed=args.seed, threads=args.threads, heal=HealSettings(tokens=0), quant="none",
+            refit=None))["manifest"]
     result = {"retain": args.retain, "layout": args.layout, "training": m["method"]["ddp"],
               "package_ppl_16_windows": m["quality"]["perplexity"]["pruned"], "eval_windows": args.eval_windows,
               "points": points, "wall_s": round(time.time() - started, 1), **run}

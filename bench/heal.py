@@ -9,6 +9,9 @@ seeded documents each, `--zeroshot-seed`). The stages' wall times come from the 
 
     python bench/heal.py --methods activation --retain 0.7 --heal-tokens 0 98304 196608
 
+Rows measure the product's default job at the commit they ran (refit, heal settings): a rerun at a
+later commit measures that commit's default, a new invocation in heal.json's `protocol.invocations`.
+
 Honest selection (issue 25): choose heal settings with --heal-data on text that is not WikiText
 and --zeroshot-seed other than the reported one; report the targets once from the default
 command. Writes heal.json, heal.md and heal.png into a new run folder (benchlib.run_dir).

@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--data", default="wiki", choices=["wiki", "mix"])
+    ap.add_argument("--dtype", default="auto", help="the training passes' dtype: auto (the product's) | float32 | bfloat16")
     ap.add_argument("--zeroshot", type=int, default=150, help="documents per task (seed 4321); 0: none")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", help="run folder (default: a new bench/results/heal-select/DATE-COMMIT)")
@@ -57,6 +58,7 @@ def main() -> None:
 
     from optimizer import data, load, zeroshot
     from optimizer.heal import Distillation, HealConfig, kd_eval
+    from optimizer.sequential import calibration_dtype
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     teacher, tok = load.load_model(load.resolve(None))
@@ -74,7 +76,8 @@ def main() -> None:
     train = torch.cat(train)
     train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(0))]
 
-    cfg = HealConfig(steps=a.steps, lr=a.lr, lr_end=a.lr / 10 if a.lr_end is None else a.lr_end, dtype="bfloat16")
+    cfg = HealConfig(steps=a.steps, lr=a.lr, lr_end=a.lr / 10 if a.lr_end is None else a.lr_end,
+                     dtype=str(calibration_dtype(a.dtype)).removeprefix("torch."))
     kls = lambda m: {k: round(kd_eval(m, teacher, v), 4) for k, v in held.items()}  # noqa: E731
     result = {"args": vars(a), "train_sequences": len(train), "before": kls(student), **benchlib.run_info()}
     distil = Distillation(student, teacher, cfg)

@@ -88,7 +88,7 @@ def main() -> None:
                                         out=str(pkg), format="onnx", threads=args.threads, quant=quant,
                                         data=DataConfig(calib=str(calib), calib_windows=args.calib_windows,
                                                         eval_windows=args.eval_windows, seq_len=args.seq_len),
-                                        heal=HealSettings(tokens=0)))["manifest"]  # speed: healing keeps the shapes
+                                        heal=HealSettings(tokens=0), refit=None))["manifest"]  # speed: heal and refit keep the shapes
         c = m["checks"]["onnx"]
         entry = {"retain": retain, "package": str(pkg), "quant": quant,
                  "perplexity": (m["quality"].get("perplexity") or {}).get("pruned"),

@@ -4,7 +4,7 @@
     .venv/bin/python bench/quant.py              # every variant, peer included (a few hours here)
     .venv/bin/python bench/quant.py --variants dense-int8 --zeroshot-limit 0 --skip-serve --eval-windows 1
 
-Variants, each the product's own command on the embedded SmolLM2-135M (`optimize --target a100`,
+Variants, each the product's own command at the commit it runs (so its default refit and heal) on the embedded SmolLM2-135M (`optimize --target a100`,
 the default heal where the package is pruned): dense-int8 (`--retain 1 --no-heal --quant int8`),
 r0.70 (the default package, 16-bit), r0.70-int8 and r0.50-int8 (`--quant int8`; with `--resume`,
 so r0.70-int8 reads r0.70's heal checkpoint — the same one-shot start and heal run, keyed by content —

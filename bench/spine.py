@@ -1,4 +1,5 @@
-"""Figures for the spine: perplexity and vLLM throughput of the one-shot structured method.
+"""Figures for the spine: perplexity and vLLM throughput of the one-shot structured method, or
+with --default-job of the product's default job (refit, heal, the target's precision).
 
     .venv/bin/python bench/spine.py                       # full protocol (about an hour here)
     .venv/bin/python bench/spine.py --retain 0.7 --rounds 1 --eval-windows 8   # quick look
@@ -43,6 +44,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--eval-windows", default="all")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for calibration and perplexity")
+    ap.add_argument("--default-job", action="store_true",
+                    help="the product's default job at each level (refit, heal, the target's precision) instead "
+                         "of the one-shot method alone")
     ap.add_argument("--skip-serve", action="store_true", help="perplexity only")
     ap.add_argument("--out", help="run folder (default: a new bench/results/spine/<date>-<commit>)")
     args = ap.parse_args()
@@ -58,24 +62,34 @@ def main() -> None:
     results = {"protocol": {"model": source.description, "target": args.target,
                             "calib": str(calib), "eval": str(test), "seq_len": 2048, "calib_windows": 16,
                             "eval_windows": args.eval_windows, "torch_threads": args.threads,
-                            "rounds": args.rounds, "concurrency": args.concurrency, **benchlib.run_info()},
+                            "rounds": args.rounds, "concurrency": args.concurrency, "default_job": args.default_job,
+                            **benchlib.run_info()},
                "levels": []}
     # All packages first, then all serving runs: the vLLM figures are taken back to back.
     for retain in args.retain:
-        pkg = ROOT / "out" / "spine" / f"{source.name}-{args.target}-r{retain:.2f}"  # weights stay out of git
+        kind = "default" if args.default_job else "oneshot"
+        pkg = ROOT / "out" / "spine" / f"{source.name}-{args.target}-r{retain:.2f}-{kind}"  # weights stay out of git
         shutil.rmtree(pkg, ignore_errors=True)
         t0 = time.time()
         res = optimize(OptimizeConfig(model=args.model, target=args.target, method="activation", retain=retain, out=str(pkg),
                                       data=DataConfig(calib=str(calib), eval=str(test), calib_windows=16, seq_len=2048,
                                                       eval_windows=None if args.eval_windows == "all"
                                                       else int(args.eval_windows)),
-                                      threads=args.threads, heal=HealSettings(tokens=0), quant="none"))  # speed: healing keeps the shapes
+                                      threads=args.threads,
+                                      **({} if args.default_job else  # the one-shot method alone
+                                         dict(heal=HealSettings(tokens=0), quant="none", refit=None))))
         m = res["manifest"]
+        size = m["size"]
         results["levels"].append({
             "retain": retain, "package": str(pkg), "optimize_wall_s": round(time.time() - t0, 1),
             "retain_achieved": m["method"]["retain_achieved"], "shape": m["method"]["shape"],
-            "perplexity": m["quality"]["perplexity"], "ideal_ratio": m["size"]["ideal_ratio"],
-            "bf16_bytes": {"dense": m["size"]["bf16_bytes_dense"], "pruned": m["size"]["bf16_bytes_pruned"]}})
+            "perplexity": m["quality"]["perplexity"],
+            "ideal_ratio": size.get("ideal_ratio_quantized", size["ideal_ratio"]),
+            "precision": m.get("quantization", {}).get("precision", "16-bit"),
+            "refit_applied": m["method"].get("refit", {}).get("applied", False),
+            "heal": {k: m["heal"][k] for k in ("tokens", "wall_s", "before", "after")} if "heal" in m else None,
+            "bf16_bytes": {"dense": size["bf16_bytes_dense"],
+                           "pruned": size.get("weight_bytes_quantized", size["bf16_bytes_pruned"])}})
         benchlib.update_result(path, results)
     for level in results["levels"] if not args.skip_serve else []:
         bench_dir = out / f"bench-r{level['retain']:.2f}"
@@ -92,7 +106,9 @@ def main() -> None:
 
 def _markdown(results: dict) -> str:
     p = results["protocol"]
-    lines = [f"# Spine figures: {p['model']}, target {p['target']}", "",
+    job = ("the product's default job (refit, heal, the target's precision)" if p.get("default_job")
+           else "the one-shot method alone (no refit, no heal, 16-bit)")
+    lines = [f"# Spine figures: {p['model']}, target {p['target']}: {job}", "",
              f"Calibration {Path(p['calib']).name} (16 x 2048 tokens); perplexity on {Path(p['eval']).name} "
              f"({p['eval_windows']} windows of 2048); vLLM best of {p['rounds']} alternating rounds; "
              f"torch threads {p['torch_threads']}.", ""]
@@ -102,7 +118,7 @@ def _markdown(results: dict) -> str:
         s, q = lv["shape"], lv["perplexity"]
         sv = lv.get("serving", {})
         c1, c16 = sv.get("1", {}), sv.get("16", {})
-        rows.append([f"{lv['retain']:.2f} ({lv['retain_achieved']:.3f})",
+        rows.append([f"{lv['retain']:.2f} ({lv['retain_achieved']:.3f}){'' if lv.get('precision', '16-bit') == '16-bit' else ', ' + lv['precision']}",
                      f"{s['num_heads']}/{s['num_kv_heads']}/{s['intermediate_size']}", f"{q['dense']:.2f}",
                      f"{q['pruned']:.2f}", f"{lv['ideal_ratio']:.2f}x", f(c1.get('ratio')), f(c16.get('ratio')),
                      f(c16.get('fraction_of_ideal'), '{:.0%}'), f"{lv['optimize_wall_s']:.0f} s"])

@@ -48,7 +48,7 @@ def one_line_errors(fn):
 @click.option("--dry-run", is_flag=True, help="Print the plan and the predicted speedup, then stop.")
 @click.option("--engine-version", help="vLLM version the package will be served with (default: installed, else 0.32.0).")
 @click.option("--calib-windows", default=16, show_default=True, help="Calibration windows of --seq-len tokens for the one-shot statistics (and --refit); DDP trains on the whole calibration text but its last window, held out.")
-@click.option("--eval-windows", default="16", show_default=True, help="Evaluation windows, or 'all'.")
+@click.option("--eval-windows", default="8", show_default=True, help="Evaluation windows, or 'all'.")
 @click.option("--seq-len", default=2048, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", type=int, help="torch CPU threads (default: torch's choice).")
@@ -73,12 +73,13 @@ def one_line_errors(fn):
               help="Precision of the one-shot calibration and DDP training passes (statistics, gates and "
                    "losses stay fp32); auto = bf16 where "
                    "the hardware has it natively.")
-@click.option("--refit", is_flag=True,
+@click.option("--refit/--no-refit", default=True, show_default=True,
               help="Structured methods: refit the kept o_proj / down_proj columns by least squares on the "
-                   "calibration windows, so they make up for what was removed (weights change; same shapes).")
+                   "calibration windows, so they make up for what was removed (weights change; same shapes; "
+                   "kept only if the held-out calibration loss falls).")
 @click.option("--refit-damp", default=0.1, show_default=True,
               help="--refit: the ridge toward the masked weights, times the Gram matrix's mean diagonal.")
-@click.option("--heal-tokens", default=65_536, show_default=True,
+@click.option("--heal-tokens", default=36_864, show_default=True,
               help="Heal after surgery: distil the pruned model from the dense one for this many tokens (0: no healing).")
 @click.option("--heal-time", type=float, help="Heal: stop training after this many seconds (checkpointed; the package is written).")
 @click.option("--heal-data", multiple=True, type=click.Path(),
@@ -114,6 +115,9 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
     """
     from optimizer.pipeline import (DataConfig, DDPSettings, HealSettings, OptimizeConfig, RefitSettings, RoISettings,
                                     SISettings, optimize as run)
+    from click.core import ParameterSource
+    ctx = click.get_current_context()
+    asked = any(ctx.get_parameter_source(p) == ParameterSource.COMMANDLINE for p in ("refit", "refit_damp"))
     if eval_windows != "all" and not eval_windows.isdigit():
         raise UserError(f"--eval-windows must be a number or 'all', got {eval_windows!r}")
     data = DataConfig(calib=calib, eval=eval_, seq_len=seq_len, calib_windows=calib_windows,
@@ -121,7 +125,7 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
     run(OptimizeConfig(model=model, target=target, method=method, retain=retain, sparsity=sparsity, budget=budget,
                        layout=layout, format=fmt, onnx_dtype=onnx_dtype, out=out, engine_version=engine_version,
                        data=data, calib_dtype=calib_dtype, seed=seed, threads=threads, resume=resume,
-                       refit=RefitSettings(damp=refit_damp) if refit else None,
+                       refit=RefitSettings(damp=refit_damp, asked=asked) if refit else None,
                        ddp=DDPSettings(steps=steps, batch=ddp_batch, seq_len=ddp_seq_len, lr=ddp_lr, lr_end=ddp_lr_end,
                                        beta=ddp_beta),
                        roi=RoISettings(steps=roi_steps, seq_len=roi_seq_len, prior=roi_prior),

@@ -28,7 +28,7 @@ class DataConfig:
     eval: str | None = None           # text file for perplexity; never trained on
     seq_len: int = 2048               # tokens per window
     calib_windows: int = 16           # windows the one-shot statistics (and --refit) read
-    eval_windows: int | None = 16     # None: every window of the evaluation text
+    eval_windows: int | None = 8      # None: every window of the evaluation text
 
 
 @dataclass
@@ -65,22 +65,27 @@ class SISettings:
 
 @dataclass
 class RefitSettings:
-    """`--refit`: least-squares refit of the kept o_proj / down_proj columns (optimizer/refit.py)."""
+    """`--refit` (on by default for structured methods): least-squares refit of the kept o_proj /
+    down_proj columns (optimizer/refit.py) from the calibration pass's statistics."""
     damp: float = 0.1                 # ridge toward the masked weights, × the Gram matrix's mean diagonal
+    asked: bool = False               # named on the command line: refused where it does not apply
+                                      # (semi-structured, MoE), where the default refit is quietly skipped
 
 
 @dataclass
 class HealSettings:
     """Distillation of the pruned model from the dense one after surgery (optimizer/heal.py)."""
-    tokens: int = 65_536              # training tokens; 0: no healing (the default: README, "Healing")
+    tokens: int = 36_864              # training tokens; 0: no healing (the default fits the job in 15 minutes
+                                      # on 2 CPU cores: README, "Healing")
     time_s: float | None = None       # a cap on the training's wall time
     data: list[str] | None = None     # text / JSONL files; None: the calibration text
     lr: float | None = None           # peak learning rate; None: the optimizer's (heal.OPTIMIZER_LR: AdamW
                                       # 3e-4, bench/results/heal-select/), a cosine to a thirtieth of it
     memory: str = "fast"              # fast: AdamW, activations kept | lean: Adafactor, activations
                                       # recomputed per block (docs/heal.md, "Memory")
-    seq_len: int = 1024               # tokens a sequence (the whole window where it does not divide)
-    batch: int = 4                    # sequences a step
+    seq_len: int = 512                # tokens a sequence (the whole window where it does not divide)
+    batch: int = 1                    # sequences a step: more, smaller steps heal more per token
+                                      # (bench/results/heal-select/2026-12-03-probe)
     chat: int | None = None           # chat answers the dense model writes to mix in; None: 40 where the
                                       # model has a chat template (an Instruct model), else none
 
@@ -109,7 +114,7 @@ class OptimizeConfig:
     seed: int = 0
     threads: int | None = None        # torch CPU threads; None: torch's choice
     resume: bool = False              # continue a trained method from its checkpoint
-    refit: RefitSettings | None = None  # None: no refit
+    refit: RefitSettings | None = field(default_factory=RefitSettings)  # None: no refit; structured only
     ddp: DDPSettings = field(default_factory=DDPSettings)
     roi: RoISettings = field(default_factory=RoISettings)
     si: SISettings = field(default_factory=SISettings)
@@ -141,12 +146,15 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError("the DDP learning rate and β must be > 0, the learning rate's end >= 0")
     if cfg.refit is not None and cfg.refit.damp <= 0:
         raise UserError(f"the refit's ridge (damp) must be > 0, got {cfg.refit.damp}")
+
     dc = cfg.data
     if dc.seq_len < 16 or dc.calib_windows < 1 or (dc.eval_windows is not None and dc.eval_windows < 1):
         raise UserError("--seq-len must be >= 16 and window counts >= 1")
     if cfg.si.steps < 0 or cfg.roi.steps < 0:
         raise UserError("--si-steps and --roi-steps must be >= 0")
     if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":
+        if cfg.refit is not None and cfg.refit.asked:
+            raise UserError("--refit applies to structured methods (removed heads and channels), not semi-structured ones")
         if cfg.roi.prior not in ("sparsegpt", "wanda"):
             raise UserError(f"--roi-prior must be 'sparsegpt' or 'wanda', got '{cfg.roi.prior}'")
         if cfg.roi.seq_len < 16:
@@ -155,8 +163,6 @@ def validate(cfg: OptimizeConfig) -> None:
             raise UserError(f"--method roi learns N:M masks; --sparsity {cfg.sparsity} is unstructured")
         if cfg.layout != "uniform":
             raise UserError("--layout applies to structured methods; semi-structured pruning keeps every shape")
-        if cfg.refit is not None:
-            raise UserError("--refit applies to structured methods (removed heads and channels), not semi-structured ones")
     if cfg.quant not in QUANT:
         raise UserError(f"unknown --quant '{cfg.quant}'; choose from: {', '.join(QUANT)}")
     if cfg.quant not in ("none", "auto"):  # auto falls back to 16-bit for these (plan.choose_quant)

@@ -31,6 +31,9 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     if plan.sparsity and cfg.format != "vllm":
         raise UserError(f"semi-structured packages are vLLM packages (onnxruntime has no 2:4 kernel); "
                         f"drop --format {cfg.format} or use --method structured")
+    if plan.sparsity and cfg.refit is not None and cfg.refit.asked:
+        raise UserError(f"--refit applies to structured methods (removed heads and channels); the plan is "
+                        f"semi-structured ({plan.method}): drop --refit or use --method structured")
     if plan.sparsity and cfg.quant not in ("none", "auto"):
         raise UserError(f"the plan is semi-structured ({plan.method}), which is not quantized yet: "
                         f"use --method structured or --quant none")
@@ -93,7 +96,7 @@ def check_moe(cfg: OptimizeConfig, adapter) -> None:
     if cfg.layout != "uniform":
         raise UserError(f"{adapter.family}: MoE models keep the same number of experts in every layer "
                         f"(a stock config); use --layout uniform")
-    if cfg.refit is not None:
+    if cfg.refit is not None and cfg.refit.asked:
         raise UserError("--refit refits the kept columns of pruned heads and channels; MoE models lose whole "
                         "experts, so there is nothing to refit: drop --refit")
     if cfg.budget != "params":

@@ -25,6 +25,7 @@ from optimizer.errors import UserError
 from optimizer.job import MAX_MODEL_LEN, Decision, Job
 from optimizer.methods.activation import ActivationImportance
 from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts, peak_rss_gib
+from optimizer.refit import RefitStatistics
 from optimizer.sequential import calibration_dtype
 from optimizer.surgery import layer_shapes, masked, prune, prune_per_layer
 
@@ -47,9 +48,9 @@ class Structured:
         costs = (adapter.unit_params(config) if cfg.budget == "params"
                  else planner.unit_latency_costs(job.target, adapter, config))
         if job.plan.method == "activation":
-            method, detail = observe_activation(job)
+            method, detail, refit_stats = observe_activation(job)
         else:
-            method, detail = train_ddp(job, costs)
+            method, detail, refit_stats = train_ddp(job, costs)
         detail["calibration"] = {"source": calib.text.description, "tokens": detail.pop("tokens")}
         if cfg.layout == "per-layer":
             # DDP's natural result: the units with z > 0, binarised to meet the budget exactly;
@@ -64,7 +65,7 @@ class Structured:
                     f"channels per block (dense {adapter.dense_shape(config).__dict__}), "
                     f"retention {chosen['retain']:.3f} of block parameters"
                     + (f", {chosen['retain_budget']:.3f} of predicted latency" if cfg.budget == "latency" else ""))
-        masks = refit(job, masks, detail)
+        masks = refit(job, refit_stats, masks, detail)
         return Decision(masks, detail, {"shape": shape, "chosen": chosen, "tried": tried})
 
     # --- surgery ----------------------------------------------------------------------------------
@@ -143,13 +144,40 @@ class Structured:
 # --- the methods' stages ---------------------------------------------------------------------------
 
 def observe_activation(job: Job):
+    """The one-shot importance over the calibration windows, and in the same pass the refit's
+    statistics (with --refit). Returns (importance, detail, refit statistics or None)."""
     importance = ActivationImportance(job.model, job.adapter)
     # At retention 1 every unit stays whatever the scores, so there is nothing to observe.
     stats = job.calib.train[: job.cfg.data.calib_windows] if job.cfg.retain < 1 else job.calib.train[:0]
-    for w in tqdm(stats, desc="calibrating", unit="win"):
-        importance.observe(w[None])
-    importance.close()
-    return importance, {"tokens": stats.numel()}
+    grams = None
+    if job.cfg.refit is not None and len(stats):
+        need, room = RefitStatistics.bytes_needed(job.model, job.adapter), available_memory() // 4
+        if need <= room:
+            grams = RefitStatistics(job.model, job.adapter)
+        else:
+            job.log(f"refit: skipped, its statistics would take {need / 2**30:.1f} GiB, more than a quarter of the "
+                    f"{4 * room / 2**30:.1f} GiB of memory available (--no-refit silences this)")
+    try:
+        for w in tqdm(stats, desc="calibrating", unit="win"):
+            importance.observe(w[None])
+    finally:
+        importance.close()
+        if grams is not None:
+            grams.close()
+    return importance, {"tokens": stats.numel()}, grams
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (Linux: MemAvailable; elsewhere the physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def train_ddp(job: Job, costs):
@@ -157,7 +185,7 @@ def train_ddp(job: Job, costs):
     training refines which units, in which layers, at which scale. The uniform layout holds every
     layer to the baseline's shape by multipliers of its own (DDPConfig.layer_shape)."""
     cfg, model, adapter = job.cfg, job.model, job.adapter
-    importance, _ = observe_activation(job)
+    importance, _, refit_stats = observe_activation(job)
     shape, start_masks, chosen, _ = choose_uniform(job, importance, costs)
     start = {"shape": shape.__dict__, "held_out_loss": chosen["held_out_loss"]}
     layer_budget = cfg.layout == "uniform"
@@ -184,7 +212,7 @@ def train_ddp(job: Job, costs):
                       "peak_rss_gib": round(peak_rss_gib(), 2), "checkpoint": run["checkpoint"],
                       "positive_gates": {"heads": sum(int((h > 0).sum()) for h in heads),
                                          "channels": sum(int((c > 0).sum()) for c in chans)}}}
-    return ddp, detail
+    return ddp, detail, refit_stats
 
 
 def choose_uniform(job: Job, method, costs, candidates=None):
@@ -205,26 +233,27 @@ def choose_uniform(job: Job, method, costs, candidates=None):
     return candidates[best], method.decide(candidates[best]), tried[best], tried
 
 
-def refit(job: Job, masks, detail: dict):
+def refit(job: Job, stats, masks, detail: dict):
     """--refit: the kept o_proj / down_proj columns refitted by least squares (optimizer/refit.py)
-    on the calibration windows, kept only if the held-out calibration loss goes down: the refit
-    can raise it though each projection's own error falls (bench/results/ddp-refit/README.md)."""
+    from the statistics the calibration pass gathered, kept only if the held-out calibration loss
+    goes down: the refit can raise it though each projection's own error falls
+    (bench/results/ddp-refit/README.md)."""
     settings = job.cfg.refit
-    if settings is None:
+    if settings is None or stats is None:
         return masks
     from optimizer.refit import refit_masks
     model, adapter = job.model, job.adapter
-    started, windows = time.time(), job.calib.train[: job.cfg.data.calib_windows]
-    refitted = refit_masks(model, adapter, masks, windows, damp=settings.damp)
+    started = time.time()
+    refitted = refit_masks(stats, model, adapter, masks, damp=settings.damp)
     losses = {}
     for name, m in (("before", masks), ("after", refitted)):
         with masked(model, adapter, m):
             losses[name] = mean_loss(model, job.calib.held_out)
     applied = losses["after"] < losses["before"]
-    detail["refit"] = {"tokens": windows.numel(), "damp": settings.damp, "wall_s": round(time.time() - started, 1),
+    detail["refit"] = {"tokens": stats.tokens, "damp": settings.damp, "wall_s": round(time.time() - started, 1),
                        "held_out_loss_before": losses["before"], "held_out_loss_after": losses["after"],
                        "applied": applied}
-    job.log(f"refit: o_proj / down_proj kept columns refitted on {windows.numel()} tokens in "
+    job.log(f"refit: o_proj / down_proj kept columns refitted on {stats.tokens} calibration tokens in "
             f"{detail['refit']['wall_s']:.0f} s; held-out loss {losses['before']:.4f} → {losses['after']:.4f}"
             + ("" if applied else ": worse, so the package keeps the unrefitted weights"))
     return refitted if applied else masks

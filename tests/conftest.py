@@ -89,6 +89,6 @@ def real_package(tmp_path_factory, real_model_dir) -> Path:
     out = tmp_path_factory.mktemp("real") / "smollm2-a100-r0.50"
     optimize(OptimizeConfig(target="a100", retain=0.5, out=str(out),
                             data=DataConfig(calib_windows=2, eval_windows=1, seq_len=512),
-                            heal=HealSettings(tokens=4 * 512, seq_len=512, chat=8), quant="none"),
+                            heal=HealSettings(tokens=2048, seq_len=512, batch=4, chat=8), quant="none"),
              log=lambda *_: None)
     return out

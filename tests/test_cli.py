@@ -20,8 +20,8 @@ def _leftovers(parent):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_optimize_writes_a_complete_package(tiny_dirs, text_file, tmp_path, family):
-    """The default path: the planner's method (one-shot, then heal, then the target's precision:
-    FP8 W8A8 on an L4) on a small heal budget."""
+    """The default path: the planner's method (one-shot and its refit, then heal, then the target's
+    precision: FP8 W8A8 on an L4) on a small heal budget."""
     out = tmp_path / "pkg"
     other = tmp_path / "eval.txt"  # the evaluation text is never the heal (calibration) text
     other.write_text("\n".join(f"Line {i} of another text, on other things than the calibration." for i in range(300)))
@@ -34,7 +34,8 @@ def test_optimize_writes_a_complete_package(tiny_dirs, text_file, tmp_path, fami
         assert (out / f).is_file(), f
     m = json.loads((out / "manifest.json").read_text())
     assert m["target"]["name"] == "l4" and m["method"]["plan"] == "activation"
-    assert m["heal"]["steps"] == 4 and m["heal"]["tokens"] == 1024  # 4 sequences of 64 a step
+    assert m["heal"]["steps"] == 16 and m["heal"]["tokens"] == 1024  # 1 sequence of 64 a step
+    assert "applied" in m["method"]["refit"]  # the refit is on by default
     assert m["quantization"]["precision"] == "fp8" and "quantization: FP8 W8A8" in r.output
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
     assert 0.45 < m["method"]["retain_achieved"] <= 0.6
@@ -52,7 +53,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_dirs, tmp_path):
     assert r.exit_code == 0
     assert "A100 (SM 8.0) + vLLM" in r.output and "no 2:4 kernel" in r.output and "structured" in r.output
     assert "prefill" in r.output and "decode" in r.output
-    assert "method: activation" in r.output and "heal: 65,536 tokens" in r.output  # the default plan
+    assert "method: activation" in r.output and "heal: 36,864 tokens" in r.output  # the default plan
     assert list(tmp_path.iterdir()) == []
 
 

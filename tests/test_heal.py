@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from optimizer import budget
 from optimizer.adapters import get_adapter
+from optimizer.config import HealSettings
 from optimizer.heal import Distillation, HealConfig, kd_eval, kd_loss_backward, zero_masks
 from optimizer.methods.activation import ActivationImportance
 from optimizer.sequential import prune_blockwise
@@ -174,13 +175,15 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
                                       "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
-                                      "--heal-data", str(other), "--heal-tokens", "8192", "--seq-len", "128",
+                                      "--heal-data", str(other), "--heal-tokens", "2048", "--seq-len", "128",
                                       "--calib-windows", "2", "--eval-windows", "1", "--quant", "none", "-o", str(out)],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())
     h = m["heal"]
-    assert h["tokens"] == 8192 and h["steps"] == 2 and h["data"].startswith("files ")
+    defaults = HealSettings()
+    assert h["tokens"] == 2048 and h["steps"] == 2048 // (defaults.batch * defaults.seq_len)
+    assert h["data"].startswith("files ")
     assert "perplexity" in h["before"] and h["before"]["perplexity"] != m["quality"]["perplexity"]["pruned"]
     assert h["memory_bytes"]["optimizer_state"] == 2 * h["memory_bytes"]["weights"]  # AdamW's two moments
     assert h["config"]["optimizer"] == "adamw" and h["config"]["lr"] == 3e-4 and h["config"]["lr_end"] == 1e-5
@@ -197,7 +200,7 @@ def test_a_heal_checkpoint_resumes_only_the_same_heal_text(tiny_dirs, text_file,
         heal_file.write_text(text)
         r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6",
                                           "--calib", str(text_file), "--eval", str(text_file), "--heal-data",
-                                          str(heal_file), "--heal-tokens", "4096", "--seq-len", "128",
+                                          str(heal_file), "--heal-tokens", "1024", "--seq-len", "128",
                                           "--calib-windows", "2", "--eval-windows", "1", "--quant", "none",
                                           "--resume", "-o", str(tmp_path / name)], catch_exceptions=False)
         assert r.exit_code == 0, r.output
@@ -217,7 +220,7 @@ def test_optimize_heals_with_lean_memory(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
                                       "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
-                                      "--heal-data", str(other), "--heal-tokens", "4096", "--seq-len", "128",
+                                      "--heal-data", str(other), "--heal-tokens", "1024", "--seq-len", "128",
                                       "--heal-memory", "lean", "--calib-windows", "2", "--eval-windows", "1",
                                       "--quant", "none", "-o", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from optimizer.adapters import BlockShape, get_adapter
-from optimizer.refit import refit_masks
+from optimizer.refit import RefitStatistics, refit_masks
 from optimizer.masks import BlockMask, Masks
 from optimizer.surgery import masked, prune, prune_per_layer
 from tests.conftest import FAMILIES, tiny_model
@@ -18,15 +18,31 @@ def _windows(n=3, seq=32, seed=3):
     return torch.randint(0, 512, (n, seq), generator=torch.Generator().manual_seed(seed))
 
 
+def _refit(model, adapter, masks, windows, damp=0.1):
+    """The refit as the pipeline runs it: statistics from one pass of the dense model, then the solve."""
+    stats = RefitStatistics(model, adapter)
+    with torch.inference_mode():
+        model(windows)
+    stats.close()
+    return refit_masks(stats, model, adapter, masks, damp)
+
+
 def test_keeping_every_unit_gives_back_the_original_weights():
-    """With nothing removed and no scales, the least-squares answer is W itself, whatever the ridge."""
+    """With nothing removed and no scales, the least-squares answer is W itself, whatever the
+    ridge; so refit_masks leaves such projections as they are."""
     model = tiny_model("llama")
     adapter = get_adapter(model.config)
+    stats = RefitStatistics(model, adapter)
+    with torch.inference_mode():
+        model(_windows())
+    stats.close()
+    for gram in stats.o + stats.down:
+        every = torch.arange(gram.linear.in_features)
+        torch.testing.assert_close(gram.solve(every, 1.0, damp=0.5), gram.linear.weight, atol=1e-5, rtol=1e-4)
     everything = BlockMask(list(range(8)), [0, 1], list(range(96)))
-    refitted = refit_masks(model, adapter, Masks([everything] * 2), _windows(), damp=0.5)
-    for block, bm in zip(adapter.blocks(model), refitted.blocks):
-        torch.testing.assert_close(bm.o_proj_columns, adapter.attention(block).o.weight, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(bm.down_columns, adapter.mlp(block).down.weight, atol=1e-5, rtol=1e-4)
+    refitted = refit_masks(stats, model, adapter, Masks([everything] * 2), damp=0.5)
+    assert all(bm.o_proj_columns is None and bm.down_columns is None for bm in refitted.blocks)
+    assert stats.tokens == 3 * 32
 
 
 def test_the_refit_reproduces_the_unpruned_projection_better():
@@ -38,7 +54,7 @@ def test_the_refit_reproduces_the_unpruned_projection_better():
     masks = _importance(model, adapter).decide(BlockShape(4, 2, 40))
     masks.blocks[0].head_scale = [0.9, 1.1, 1.0, 0.8]  # a DDP-like scale, folded into the target's start
     windows = _windows()
-    refitted = refit_masks(model, adapter, masks, windows)
+    refitted = _refit(model, adapter, masks, windows)
     block0 = adapter.blocks(model)[0]
     o_proj = adapter.attention(block0).o
     captured = {}
@@ -61,7 +77,7 @@ def test_the_refit_reproduces_the_unpruned_projection_better():
 def test_refitted_masked_model_equals_the_pruned_one(family):
     model = tiny_model(family)
     adapter = get_adapter(model.config)
-    masks = refit_masks(model, adapter, _importance(model, adapter).decide(BlockShape(4, 1, 40)), _windows())
+    masks = _refit(model, adapter, _importance(model, adapter).decide(BlockShape(4, 1, 40)), _windows())
     x = _windows(2, 24, seed=7)
     with torch.inference_mode():
         plain = model(x).logits
@@ -78,7 +94,7 @@ def test_refitted_per_layer_masks_equal_the_pruned_model(case):
     """Per-layer shapes, learned scales and removed attention / MLP blocks (nothing to refit there)."""
     model = tiny_model("llama")
     adapter = get_adapter(model.config)
-    masks = refit_masks(model, adapter, Masks(CASES[case]), _windows())
+    masks = _refit(model, adapter, Masks(CASES[case]), _windows())
     for bm in masks.blocks:
         assert (bm.o_proj_columns is None) == (not bm.heads) and (bm.down_columns is None) == (not bm.channels)
         assert bm.head_scale is None and bm.channel_scale is None  # folded into the columns
@@ -98,7 +114,8 @@ def test_optimize_with_refit_writes_a_package_that_matches_its_masked_model(tiny
     common = dict(model=str(tiny_dirs["llama"]), target="a100", heal=HealSettings(tokens=0), quant="none",
                   data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=8, eval_windows=1, seq_len=128))
     quiet = dict(log=lambda *_: None)
-    plain = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "plain"), **common), **quiet)
+    plain = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "plain"), refit=None, **common),
+                     **quiet)
     res = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "refit"), refit=RefitSettings(),
                                   **common), **quiet)
     m, r = res["manifest"], res["manifest"]["method"]["refit"]
@@ -111,7 +128,8 @@ def test_optimize_with_refit_writes_a_package_that_matches_its_masked_model(tiny
     assert changed == r["applied"]
     assert "- refit: " in (tmp_path / "refit" / "report.md").read_text()
     with pytest.raises(UserError, match="--refit applies to structured"):
-        optimize(OptimizeConfig(method="wanda", refit=RefitSettings(), out=str(tmp_path / "no"), **common), **quiet)
+        optimize(OptimizeConfig(method="wanda", refit=RefitSettings(asked=True), out=str(tmp_path / "no"), **common),
+                 **quiet)
     with pytest.raises(UserError, match="must be > 0"):
         optimize(OptimizeConfig(method="activation", refit=RefitSettings(damp=0.0), out=str(tmp_path / "no"), **common),
                  **quiet)
@@ -122,8 +140,8 @@ def test_a_refit_that_raises_the_held_out_loss_is_not_applied(tiny_dirs, text_fi
     import optimizer.refit
     from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, RefitSettings, optimize
 
-    def harmful(model, adapter, masks, windows, damp):
-        good = refit_masks(model, adapter, masks, windows, damp)
+    def harmful(stats, model, adapter, masks, damp):
+        good = refit_masks(stats, model, adapter, masks, damp)
         for bm in good.blocks:
             bm.down_columns = bm.down_columns * 50
         return good
@@ -131,10 +149,36 @@ def test_a_refit_that_raises_the_held_out_loss_is_not_applied(tiny_dirs, text_fi
     monkeypatch.setattr(optimizer.refit, "refit_masks", harmful)
     common = dict(model=str(tiny_dirs["llama"]), target="a100", method="activation", retain=0.6,
                   heal=HealSettings(tokens=0), quant="none", data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=2, eval_windows=1, seq_len=64))
-    plain = optimize(OptimizeConfig(out=str(tmp_path / "plain"), **common), log=lambda *_: None)["manifest"]
+    plain = optimize(OptimizeConfig(out=str(tmp_path / "plain"), refit=None, **common), log=lambda *_: None)["manifest"]
     tried = optimize(OptimizeConfig(out=str(tmp_path / "tried"), refit=RefitSettings(), **common),
                      log=lambda *_: None)["manifest"]
     r = tried["method"]["refit"]
     assert not r["applied"] and r["held_out_loss_after"] > r["held_out_loss_before"]
     assert tried["quality"]["perplexity"]["pruned"] == plain["quality"]["perplexity"]["pruned"]
     assert "tried and not applied" in (tmp_path / "tried" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args, refits", [([], True), (["--no-refit"], False)])
+def test_the_refit_is_on_by_default_and_off_with_no_refit(tiny_dirs, text_file, tmp_path, args, refits):
+    from click.testing import CliRunner
+    from optimizer.cli import optimize
+    out = tmp_path / "pkg"
+    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6", "--calib",
+                                      str(text_file), "--eval", str(text_file), "--seq-len", "64", "--calib-windows", "2",
+                                      "--eval-windows", "1", "--no-heal", "--quant", "none", "-o", str(out), *args])
+    assert r.exit_code == 0, r.output
+    import json
+    assert ("refit" in json.loads((out / "manifest.json").read_text())["method"]) == refits
+
+
+@pytest.mark.parametrize("args", [["--method", "wanda", "--refit"], ["--method", "sparsegpt", "--refit-damp", "0.2"],
+                                  ["--target", "h100", "--engine-version", "0.18.0", "--refit"]])
+def test_a_refit_asked_for_a_semi_structured_plan_is_refused(tiny_dirs, tmp_path, args):
+    """The default refit is skipped quietly where it does not apply; one asked for is refused."""
+    from click.testing import CliRunner
+    from optimizer.cli import optimize
+    out = tmp_path / "pkg"
+    base = [str(tiny_dirs["llama"]), "-o", str(out)] + ([] if "--target" in args else ["--target", "a100"])
+    r = CliRunner().invoke(optimize, base + args)
+    assert r.exit_code == 2 and "--refit applies to structured methods" in r.output, r.output
+    assert not out.exists()
