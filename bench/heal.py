@@ -7,7 +7,7 @@ tables) and on exllamav2's c4 sample (neither trained on nor Wikipedia), each wi
 the dense model, and the zero-shot mean of ARC-Easy, PIQA and HellaSwag (`--zeroshot-limit`
 seeded documents each, `--zeroshot-seed`). The stages' wall times come from the manifests.
 
-    python bench/heal.py --methods activation --retain 0.7 --heal-tokens 0 98304 196608
+    python bench/heal.py --methods activation --retain 0.7 --heal-tokens 0 36864 98304
 
 Rows measure the product's default job at the commit they ran (refit, heal settings): a rerun at a
 later commit measures that commit's default, a new invocation in heal.json's `protocol.invocations`.
@@ -36,7 +36,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["activation"],
                     help="activation | ddp | ddp:per-layer | sparsegpt | roi (2:4)")
     ap.add_argument("--retain", type=float, nargs="+", default=[0.7])
-    ap.add_argument("--heal-tokens", type=int, nargs="+", default=[0, 98304])
+    ap.add_argument("--heal-tokens", type=int, nargs="+", default=[0, 36864],
+                    help="heal budgets (0: unhealed; default: the product's)")
     ap.add_argument("--heal-data", nargs="*", default=None, help="heal text (default: the calibration text)")
     ap.add_argument("--heal-chat", type=int, default=None,
                     help="chat answers the dense model writes, mixed in (default: the product's, 40 for an Instruct model)")

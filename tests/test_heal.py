@@ -175,7 +175,7 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
                                       "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
-                                      "--heal-data", str(other), "--heal-tokens", "2048", "--seq-len", "128",
+                                      "--heal-data", str(other), "--heal-tokens", "2048", "--heal-chat", "0", "--seq-len", "128",
                                       "--calib-windows", "2", "--eval-windows", "1", "--quant", "none", "-o", str(out)],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
@@ -200,7 +200,7 @@ def test_a_heal_checkpoint_resumes_only_the_same_heal_text(tiny_dirs, text_file,
         heal_file.write_text(text)
         r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6",
                                           "--calib", str(text_file), "--eval", str(text_file), "--heal-data",
-                                          str(heal_file), "--heal-tokens", "1024", "--seq-len", "128",
+                                          str(heal_file), "--heal-tokens", "1024", "--heal-chat", "0", "--seq-len", "128",
                                           "--calib-windows", "2", "--eval-windows", "1", "--quant", "none",
                                           "--resume", "-o", str(tmp_path / name)], catch_exceptions=False)
         assert r.exit_code == 0, r.output
@@ -220,7 +220,7 @@ def test_optimize_heals_with_lean_memory(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
                                       "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
-                                      "--heal-data", str(other), "--heal-tokens", "1024", "--seq-len", "128",
+                                      "--heal-data", str(other), "--heal-tokens", "4096", "--heal-chat", "0", "--seq-len", "128",
                                       "--heal-memory", "lean", "--calib-windows", "2", "--eval-windows", "1",
                                       "--quant", "none", "-o", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
@@ -239,7 +239,7 @@ def test_optimize_scores_zero_shot_dense_before_and_after_healing(tiny_dirs, tex
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6",
                                       "--calib", str(text_file), "--eval", str(other), "--seq-len", "64",
                                       "--calib-windows", "2", "--eval-windows", "1", "--heal-tokens", "512",
-                                      "--zeroshot", "3", "--quant", "none", "-o", str(out)], catch_exceptions=False)
+                                      "--heal-chat", "0", "--zeroshot", "3", "--quant", "none", "-o", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())
     z = m["quality"]["zeroshot"]

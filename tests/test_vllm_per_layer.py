@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from exporters import per_layer
 from serve import launch, loadgen
+from tests.test_vllm import FAST_START_ARGS, FAST_START_ENV
 from optimizer.adapters import get_adapter
 from optimizer.masks import BlockMask, Masks
 from optimizer.surgery import masked, prune_per_layer
@@ -56,7 +57,7 @@ def main():
     from vllm import LLM, SamplingParams
     a = json.loads(sys.argv[1])
     llm = LLM(model=a["model"], dtype=a["dtype"], enforce_eager=True, max_model_len=256, max_num_seqs=4,
-              trust_remote_code=a["trust_remote_code"], seed=0)
+              trust_remote_code=a["trust_remote_code"], seed=0, distributed_executor_backend="uni")
     outs = llm.generate([{"prompt_token_ids": ids} for ids in a["prompts"]],
                         SamplingParams(max_tokens=a["max_tokens"], temperature=0, ignore_eos=True))
     print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
@@ -110,7 +111,7 @@ def _free_port() -> int:
 
 def _vllm_greedy(pkg, prompts, trust_remote_code: bool, env_extra: dict, log_path,
                  dtype: str = "float32") -> tuple[list, str]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", **env_extra}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", **FAST_START_ENV, **env_extra}
     arg = json.dumps({"model": str(pkg), "prompts": prompts, "max_tokens": NEW_TOKENS,
                       "trust_remote_code": trust_remote_code, "dtype": dtype})
     # cwd outside the checkout: `python -c` puts the cwd on sys.path, and a stale
@@ -139,8 +140,9 @@ def test_vllm_answers_like_transformers(packages, tokenizer, name, tmp_path):
         # manifest's command and arguments (--trust-remote-code among them), fp32 and eager here
         assert "--trust-remote-code" in manifest["engine"]["args"]
         port = _free_port()
-        cmd = launch.package_command(pkg, manifest, "127.0.0.1", port, ["--dtype", "float32", "--enforce-eager"])
-        env = {**launch.server_env(manifest), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": ""}
+        cmd = launch.package_command(pkg, manifest, "127.0.0.1", port,
+                                     ["--dtype", "float32", "--enforce-eager", *FAST_START_ARGS])
+        env = {**launch.server_env(manifest), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "", **FAST_START_ENV}
         base = f"http://127.0.0.1:{port}"
         with launch.running(cmd, env, base, tmp_path / "server.log", timeout_s=480):
             texts = [loadgen.complete(base, manifest["engine"]["served_model_name"], p, max_tokens=NEW_TOKENS)

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, SISettings, optimize
 from optimizer.sparsity import parse
 from serve import launch, loadgen
+from tests.test_vllm import FAST_START_ARGS, FAST_START_ENV
 
 pytestmark = pytest.mark.vllm
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
@@ -66,9 +67,10 @@ def test_vllm_serves_the_sparse_package_like_transformers(package, tmp_path):
     tok = AutoTokenizer.from_pretrained(pkg)
 
     port = _free_port()
-    cmd = launch.package_command(pkg, manifest, "127.0.0.1", port, ["--dtype", "float32", "--enforce-eager"])
+    cmd = launch.package_command(pkg, manifest, "127.0.0.1", port,
+                                 ["--dtype", "float32", "--enforce-eager", *FAST_START_ARGS])
     assert ("--hf-overrides" in cmd) == config_written
-    env = {**launch.server_env(manifest), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**launch.server_env(manifest), "VLLM_CPU_KVCACHE_SPACE": "1", **FAST_START_ENV}
     base = f"http://127.0.0.1:{port}"
     agree = 0
     with launch.running(cmd, env, base, tmp_path / "server.log", timeout_s=600):
