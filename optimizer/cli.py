@@ -95,6 +95,8 @@ def one_line_errors(fn):
               help="Heal: mix in this many chat answers the dense model writes to built-in instructions "
                    "(a quarter of the heal sequences), so an Instruct model keeps its chat behaviour "
                    "(default: 40 where the model has a chat template, else 0).")
+@click.option("--heal-device", default="auto", show_default=True,
+              help="Where the heal trains: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:N.")
 @click.option("--no-heal", is_flag=True, help="Do not heal, whatever --heal-tokens says.")
 @click.option("--quant", default="auto", show_default=True,
               help="Quantize the pruned (and healed) weights: auto (the precision the target's tensor cores and "
@@ -107,7 +109,8 @@ def one_line_errors(fn):
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads, budget, layout, steps, ddp_batch, ddp_seq_len, ddp_lr, ddp_lr_end,
              ddp_beta, resume, si_steps, roi_steps, roi_seq_len, roi_prior, calib_dtype, refit, refit_damp,
-             heal_tokens, heal_time, heal_data, heal_lr, heal_memory, heal_chat, no_heal, quant, zeroshot):
+             heal_tokens, heal_time, heal_data, heal_lr, heal_memory, heal_chat, heal_device, no_heal, quant,
+             zeroshot):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
@@ -131,7 +134,8 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
                        roi=RoISettings(steps=roi_steps, seq_len=roi_seq_len, prior=roi_prior),
                        si=SISettings(steps=si_steps),
                        heal=HealSettings(tokens=0 if no_heal else heal_tokens, time_s=heal_time,
-                                         data=list(heal_data) or None, lr=heal_lr, memory=heal_memory, chat=heal_chat),
+                                         data=list(heal_data) or None, lr=heal_lr, memory=heal_memory, chat=heal_chat,
+                                         device=heal_device),
                        quant=quant, zeroshot=zeroshot),
         dry_run=dry_run)
 

@@ -88,6 +88,22 @@ class HealSettings:
                                       # (bench/results/heal-select/2026-12-03-probe)
     chat: int | None = None           # chat answers the dense model writes to mix in; None: 40 where the
                                       # model has a chat template (an Instruct model), else none
+    device: str = "auto"              # where the heal trains: auto (CUDA where torch sees it, else the
+                                      # CPU) | cpu | cuda | cuda:N; the package is written from the CPU
+
+
+def check_heal_device(h: HealSettings) -> None:
+    """--heal-device names a device torch sees here (checked before anything loads)."""
+    import re
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", h.device):
+        raise UserError(f"unknown --heal-device '{h.device}'; choose from: auto, cpu, cuda, cuda:N")
+    if h.tokens and h.device.startswith("cuda"):
+        import torch
+        index = int(h.device.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            raise UserError(f"--heal-device {h.device}: torch sees {seen} CUDA device(s) here; "
+                            "use --heal-device cpu (or auto)")
 
 
 def heal_seq_len(h: HealSettings, window: int) -> int:
@@ -178,6 +194,7 @@ def validate(cfg: OptimizeConfig) -> None:
     h = cfg.heal
     if h.memory not in HEAL_MEMORY:
         raise UserError(f"unknown --heal-memory '{h.memory}'; choose from: {', '.join(HEAL_MEMORY)}")
+    check_heal_device(h)
     if (h.tokens < 0 or (h.time_s is not None and h.time_s <= 0) or (h.lr is not None and h.lr <= 0)
             or h.seq_len < 16 or h.batch < 1
             or (h.chat is not None and h.chat < 0)):

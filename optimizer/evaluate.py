@@ -12,7 +12,9 @@ from tqdm import tqdm
 @torch.inference_mode()
 def perplexity(model, windows: torch.Tensor, desc: str = "perplexity") -> float:
     nll, count = 0.0, 0
+    device = next(model.parameters()).device
     for w in tqdm(windows, desc=desc, leave=False, unit="win"):
+        w = w.to(device)
         logits = model(w[None]).logits[0, :-1].float()
         nll += F.cross_entropy(logits, w[1:], reduction="sum").item()
         count += w.numel() - 1

@@ -99,6 +99,7 @@ class Distillation(TrainedMethod):
         self.opt.zero_grad(set_to_none=True)
         rank, world = _rank_world()
         kd = 0.0
+        input_ids = input_ids.to(next(self.student.parameters()).device)
         for seq in input_ids[rank::world].split(1):  # one sequence's activations at a time
             kd += kd_loss_backward(self.student, self.teacher, seq, self.cfg.kl_chunk, self.cfg.dtype,
                                    scale=1 / len(input_ids)) / len(input_ids)
@@ -190,7 +191,7 @@ def _sum_across_ranks(params: list[torch.Tensor], kd: float) -> float:
     scaled by 1 / the whole batch, so the sums are the batch's mean."""
     import torch.distributed as dist
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.flatten() for g in grads] + [torch.tensor([kd], dtype=grads[0].dtype)])
+    flat = torch.cat([g.flatten() for g in grads] + [torch.tensor([kd], dtype=grads[0].dtype, device=grads[0].device)])
     dist.all_reduce(flat)
     offset = 0
     for p, g in zip(params, grads):
@@ -228,7 +229,7 @@ def kd_loss_backward(student, teacher, input_ids: torch.Tensor, chunk: int, dtyp
 def kd_eval(student, teacher, windows: torch.Tensor, chunk: int = 256) -> float:
     """Mean KL(teacher ‖ student) per token over `windows`, without training."""
     total, n = 0.0, 0
-    for w in windows:
+    for w in windows.to(next(student.parameters()).device):
         t_hidden = teacher.get_decoder()(w[None]).last_hidden_state
         s_hidden = student.get_decoder()(w[None]).last_hidden_state
         for i in range(0, w.numel(), chunk):
@@ -256,7 +257,7 @@ def digest(params: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for n, p in params.items():
         h.update(n.encode())
-        h.update(p.detach().float().contiguous().numpy().tobytes())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -289,10 +290,29 @@ INSTRUCTIONS = (
 )
 
 
+def heal_device(name: str) -> torch.device:
+    """--heal-device: 'auto' is the first CUDA device where torch sees one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def heal(job, model):
     """The heal stage (job.Job.run): distil `model` (the deployable student) from `job.teacher`
     for `job.cfg.heal.tokens` tokens (at most `time_s` seconds); returns it healed, and leaves the
-    manifest's account in `job.heal_detail`."""
+    manifest's account in `job.heal_detail`. Student and teacher train on `--heal-device` and come
+    back to the CPU, where the stages after this one expect them."""
+    device = heal_device(job.cfg.heal.device)
+    model.to(device)
+    job.teacher.to(device)
+    try:
+        return _heal(job, model, device)
+    finally:
+        model.to("cpu")
+        job.teacher.to("cpu")
+
+
+def _heal(job, model, device: torch.device):
     import time
 
     from optimizer import evaluate
@@ -305,7 +325,7 @@ def heal(job, model):
     optimizer = "adafactor" if s.memory == "lean" else "adamw"
     lr, lr_end = OPTIMIZER_LR[optimizer]
     hcfg = HealConfig(steps=steps, lr=s.lr or lr, lr_end=lr_end if s.lr is None else s.lr * lr_end / lr,
-                      seed=cfg.seed, dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."),
+                      seed=cfg.seed, dtype=str(calibration_dtype(cfg.calib_dtype, device)).removeprefix("torch."),
                       optimizer=optimizer, checkpointing=s.memory == "lean")
     keep = zero_masks(model, job.adapter) if job.plan.sparsity else None
     if s.memory == "lean":  # the teacher only runs forward passes (under autocast): bf16 halves it
@@ -335,7 +355,9 @@ def heal(job, model):
         "steps_planned": steps, "seq_len": seq, "batch": s.batch, "time_cap_s": s.time_s,
         "stopped_by_time": done < steps, "config": vars(hcfg), "zeros_held": len(keep or {}),
         "before": before, "after": after, "memory_bytes": distil.state_bytes(),
-        "peak_rss_gib": round(peak_rss_gib(), 2), "wall_s": round(time.time() - started, 1),
+        "peak_rss_gib": round(peak_rss_gib(), 2), "device": str(device),
+        **({"peak_device_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)} if device.type == "cuda" else {}),
+        "wall_s": round(time.time() - started, 1),
         "resumed_from_step": run["resumed_from_step"], "final": run["final"], "checkpoint": run["checkpoint"],
         "chat": chat_check(job.teacher, model, job.tok),
     }
@@ -458,6 +480,7 @@ def chat_check(teacher, student, tok, max_new_tokens: int = 32) -> list[dict]:
     for prompt in CHAT_PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
+        ids = ids.to(next(student.parameters()).device)
         answers = {}
         for name, m in (("dense", teacher), ("healed", student)):
             gen = m.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,

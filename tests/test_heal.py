@@ -184,6 +184,7 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
     defaults = HealSettings()
     assert h["tokens"] == 2048 and h["steps"] == 2048 // (defaults.batch * defaults.seq_len)
     assert h["data"].startswith("files ")
+    assert h["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # --heal-device auto
     assert "perplexity" in h["before"] and h["before"]["perplexity"] != m["quality"]["perplexity"]["pruned"]
     assert h["memory_bytes"]["optimizer_state"] == 2 * h["memory_bytes"]["weights"]  # AdamW's two moments
     assert h["config"]["optimizer"] == "adamw" and h["config"]["lr"] == 3e-4 and h["config"]["lr_end"] == 1e-5
@@ -274,6 +275,8 @@ def test_the_default_heal_budget_and_chat_answers(tokenizer):
     (["--heal-tokens", "8192", "--heal-data", "/no/such/file.txt"], "no such file"),
     (["--heal-tokens", "8192", "--heal-lr", "0"], "the heal learning rate > 0"),
     (["--heal-memory", "tiny"], "--heal-memory"),
+    (["--heal-device", "tpu"], "unknown --heal-device 'tpu'"),
+    (["--heal-device", "cuda:99"], "--heal-device cuda:99: torch sees"),  # no machine has 100 GPUs
 ])
 def test_bad_heal_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, args, message):
     from optimizer.cli import optimize
