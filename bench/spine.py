@@ -88,8 +88,8 @@ def main() -> None:
             "precision": m.get("quantization", {}).get("precision", "16-bit"),
             "refit_applied": m["method"].get("refit", {}).get("applied", False),
             "heal": {k: m["heal"][k] for k in ("tokens", "wall_s", "before", "after")} if "heal" in m else None,
-            "bf16_bytes": {"dense": size["bf16_bytes_dense"],
-                           "pruned": size.get("weight_bytes_quantized", size["bf16_bytes_pruned"])}})
+            "weight_bytes": {"dense": size["bf16_bytes_dense"],
+                             "pruned": size.get("weight_bytes_quantized", size["bf16_bytes_pruned"])}})
         benchlib.update_result(path, results)
     for level in results["levels"] if not args.skip_serve else []:
         bench_dir = out / f"bench-r{level['retain']:.2f}"
@@ -98,7 +98,7 @@ def main() -> None:
                         "--concurrency", args.concurrency, "--rounds", str(args.rounds), "--out", str(bench_dir)],
                        check=True)
         summary = json.loads((bench_dir / "bench.json").read_text())["summary"]
-        level["serving"] = benchlib.serving_figures(summary, level["ideal_ratio"], level["bf16_bytes"])
+        level["serving"] = benchlib.serving_figures(summary, level["ideal_ratio"], level["weight_bytes"])
         benchlib.update_result(path, results)
     benchlib.write_markdown(out / "spine.md", _markdown(results))
     print(_markdown(results))

@@ -99,9 +99,8 @@ def check_heal_device(h: HealSettings) -> None:
         raise UserError(f"unknown --heal-device '{h.device}'; choose from: auto, cpu, cuda, cuda:N")
     if h.tokens and h.device.startswith("cuda"):
         import torch
-        index = int(h.device.partition(":")[2] or 0)
-        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-            seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        seen = torch.cuda.device_count()  # 0 without CUDA
+        if int(h.device.partition(":")[2] or 0) >= seen:
             raise UserError(f"--heal-device {h.device}: torch sees {seen} CUDA device(s) here; "
                             "use --heal-device cpu (or auto)")
 
@@ -162,7 +161,6 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError("the DDP learning rate and β must be > 0, the learning rate's end >= 0")
     if cfg.refit is not None and cfg.refit.damp <= 0:
         raise UserError(f"the refit's ridge (damp) must be > 0, got {cfg.refit.damp}")
-
     dc = cfg.data
     if dc.seq_len < 16 or dc.calib_windows < 1 or (dc.eval_windows is not None and dc.eval_windows < 1):
         raise UserError("--seq-len must be >= 16 and window counts >= 1")
