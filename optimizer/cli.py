@@ -95,6 +95,8 @@ def one_line_errors(fn):
               help="Heal: mix in this many chat answers the dense model writes to built-in instructions "
                    "(a quarter of the heal sequences), so an Instruct model keeps its chat behaviour "
                    "(default: 40 where the model has a chat template, else 0).")
+@click.option("--heal-batch", default=1, show_default=True,
+              help="Heal: sequences a step (with several processes under torchrun, rounded up to a multiple of them).")
 @click.option("--heal-device", default="auto", show_default=True,
               help="Where the heal trains: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:N.")
 @click.option("--no-heal", is_flag=True, help="Do not heal, whatever --heal-tokens says.")
@@ -109,7 +111,7 @@ def one_line_errors(fn):
 def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads, budget, layout, steps, ddp_batch, ddp_seq_len, ddp_lr, ddp_lr_end,
              ddp_beta, resume, si_steps, roi_steps, roi_seq_len, roi_prior, calib_dtype, refit, refit_damp,
-             heal_tokens, heal_time, heal_data, heal_lr, heal_memory, heal_chat, heal_device, no_heal, quant,
+             heal_tokens, heal_time, heal_data, heal_lr, heal_memory, heal_chat, heal_batch, heal_device, no_heal, quant,
              zeroshot):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
@@ -135,7 +137,7 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
                        si=SISettings(steps=si_steps),
                        heal=HealSettings(tokens=0 if no_heal else heal_tokens, time_s=heal_time,
                                          data=list(heal_data) or None, lr=heal_lr, memory=heal_memory, chat=heal_chat,
-                                         device=heal_device),
+                                         batch=heal_batch, device=heal_device),
                        quant=quant, zeroshot=zeroshot),
         dry_run=dry_run)
 

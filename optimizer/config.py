@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from optimizer import data
+from optimizer import data, distributed
 from optimizer import plan as planner
 from optimizer import sparsity as sparsity_mod
 from optimizer.errors import UserError
@@ -97,6 +97,13 @@ def check_heal_device(h: HealSettings) -> None:
     import re
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", h.device):
         raise UserError(f"unknown --heal-device '{h.device}'; choose from: auto, cpu, cuda, cuda:N")
+    processes = distributed.launched()
+    if processes > 1 and not h.tokens:
+        raise UserError(f"{processes} processes share the heal's steps, and healing is off: run one process "
+                        "(without torchrun), or heal")
+    if processes > 1 and ":" in h.device:
+        raise UserError(f"--heal-device {h.device} names one GPU for all {processes} processes; use cuda (or auto): "
+                        "each process trains on its own, LOCAL_RANK's")
     if h.tokens and h.device.startswith("cuda"):
         import torch
         seen = torch.cuda.device_count()  # 0 without CUDA
@@ -198,9 +205,9 @@ def validate(cfg: OptimizeConfig) -> None:
             or (h.chat is not None and h.chat < 0)):
         raise UserError("--heal-tokens and --heal-chat must be >= 0, --heal-time and the heal learning rate > 0, "
                         "its sequence length >= 16 and batch >= 1")
-    seq = heal_seq_len(h, dc.seq_len)
-    if 0 < h.tokens < h.batch * seq:
-        raise UserError(f"--heal-tokens {h.tokens} is less than one step of {h.batch} × {seq} tokens")
+    seq, batch = heal_seq_len(h, dc.seq_len), distributed.heal_batch(h.batch)
+    if 0 < h.tokens < batch * seq:
+        raise UserError(f"--heal-tokens {h.tokens} is less than one step of {batch} × {seq} tokens")
     if cfg.zeroshot < 0:
         raise UserError(f"--zeroshot must be >= 0 documents per task, got {cfg.zeroshot}")
     for path, what in ((dc.calib, "calibration file"), (dc.eval, "evaluation file"),

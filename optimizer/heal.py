@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from optimizer import distributed
 from optimizer.methods.base import TrainedMethod
 
 ALGORITHM = "heal-1: logit KL(teacher || student), chunked; blocks and final norm train; AdamW or Adafactor, cosine"
@@ -97,7 +98,7 @@ class Distillation(TrainedMethod):
 
     def step(self, input_ids: torch.Tensor) -> dict:
         self.opt.zero_grad(set_to_none=True)
-        rank, world = _rank_world()
+        rank, world = distributed.rank_world()
         kd = 0.0
         input_ids = input_ids.to(next(self.student.parameters()).device)
         for seq in input_ids[rank::world].split(1):  # one sequence's activations at a time
@@ -177,13 +178,6 @@ def checkpoint_blocks(blocks):
             else:
                 block.forward = own
     return unwrap
-
-
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _sum_across_ranks(params: list[torch.Tensor], kd: float) -> float:
@@ -291,9 +285,12 @@ INSTRUCTIONS = (
 
 
 def heal_device(name: str) -> torch.device:
-    """--heal-device: 'auto' is the first CUDA device where torch sees one, else the CPU."""
+    """--heal-device: 'auto' is CUDA where torch sees it, else the CPU; CUDA is the first device, or
+    with several processes (optimizer/distributed.py) each one's LOCAL_RANK's."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", distributed.local_rank())
     return torch.device(name)
 
 
@@ -319,9 +316,12 @@ def _heal(job, model, device: torch.device):
     from optimizer.methods.ddp import peak_rss_gib
     from optimizer.sequential import calibration_dtype
     s, cfg = job.cfg.heal, job.cfg
-    chunks, source = job.heal_data or heal_chunks(job)
-    seq = chunks.shape[1]  # config.heal_seq_len
-    steps = max(1, s.tokens // (s.batch * seq))
+    main, world = distributed.is_main(), distributed.rank_world()[1]
+    # every rank heals the same student on the same text: rank 0's (optimizer/distributed.py)
+    chunks, source = distributed.broadcast_object((job.heal_data or heal_chunks(job)) if main else None)
+    distributed.broadcast_model(model)
+    seq, batch = chunks.shape[1], distributed.heal_batch(s.batch)  # config.heal_seq_len
+    steps = max(1, s.tokens // (batch * seq))
     optimizer = "adafactor" if s.memory == "lean" else "adamw"
     lr, lr_end = OPTIMIZER_LR[optimizer]
     hcfg = HealConfig(steps=steps, lr=s.lr or lr, lr_end=lr_end if s.lr is None else s.lr * lr_end / lr,
@@ -333,7 +333,7 @@ def _heal(job, model, device: torch.device):
     before = {}
     if job.evaluation is not None:
         before["perplexity"] = evaluate.perplexity(model, job.evaluation.windows, "perplexity (before healing)")
-    if cfg.zeroshot:
+    if cfg.zeroshot and main:
         before["zeroshot"] = job.zeroshot(model)
     held_out = job.calib.held_out[:, :1024]
     before["held_out_kd"] = kd_eval(model, job.teacher, held_out)
@@ -342,24 +342,26 @@ def _heal(job, model, device: torch.device):
     # the heal text's content, not only its description: the teacher's sampled chat answers
     # can differ between machines and thread counts, and a checkpoint must be of this very data
     data_digest = hashlib.sha256(chunks.numpy().tobytes()).hexdigest()[:16]
-    ckpt = job.checkpoint("heal", [vars(hcfg), seq, s.batch, source, distil.start_digest, data_digest])
-    run = job.train(distil, chunks, steps, s.batch, ckpt, "healing",
+    ckpt = job.checkpoint("heal", [vars(hcfg), seq, batch, source, distil.start_digest, data_digest])
+    run = job.train(distil, chunks, steps, batch, ckpt, "healing",
                     lambda st: {"kd": f"{st['kd']:.3f}", "lr": f"{st['lr']:.1e}"}, max_time_s=s.time_s)
     distil.close()
     done = distil.step_count
     after = {"held_out_kd": kd_eval(model, job.teacher, held_out)}
-    job.log(f"healed: {done} steps, {done * s.batch * seq:,} tokens of {source} in {run['wall_s']:.0f} s; "
+    if world > 1:
+        job.log(f"healed on {world} processes, {batch // world} sequence(s) each a step")
+    job.log(f"healed: {done} steps, {done * batch * seq:,} tokens of {source} in {run['wall_s']:.0f} s; "
             f"held-out KL to the dense model {before['held_out_kd']:.4f} → {after['held_out_kd']:.4f}")
     job.heal_detail = {
-        "data": source, "tokens_requested": s.tokens, "tokens": done * s.batch * seq, "steps": done,
-        "steps_planned": steps, "seq_len": seq, "batch": s.batch, "time_cap_s": s.time_s,
+        "data": source, "tokens_requested": s.tokens, "tokens": done * batch * seq, "steps": done,
+        "steps_planned": steps, "seq_len": seq, "batch": batch, "processes": world, "time_cap_s": s.time_s,
         "stopped_by_time": done < steps, "config": vars(hcfg), "zeros_held": len(keep or {}),
         "before": before, "after": after, "memory_bytes": distil.state_bytes(),
         "peak_rss_gib": round(peak_rss_gib(), 2), "device": str(device),
         **({"peak_device_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)} if device.type == "cuda" else {}),
         "wall_s": round(time.time() - started, 1),
         "resumed_from_step": run["resumed_from_step"], "final": run["final"], "checkpoint": run["checkpoint"],
-        "chat": chat_check(job.teacher, model, job.tok),
+        "chat": chat_check(job.teacher, model, job.tok) if main else [],
     }
     return model
 

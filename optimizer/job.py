@@ -61,7 +61,7 @@ import torch
 from tqdm import tqdm
 
 from exporters import vllm as vllm_export
-from optimizer import data, evaluate, load
+from optimizer import data, distributed, evaluate, load
 from optimizer.config import OptimizeConfig
 from optimizer.errors import Terminated, UserError
 
@@ -119,10 +119,12 @@ class Job:
 
     # --- the skeleton ------------------------------------------------------------------------
     def run(self, kind) -> dict:
+        main = distributed.is_main()   # several processes: only rank 0 evaluates and writes
         self.load()
         self.calibrate()
-        self.evaluate_dense()          # before any method: semi-structured ones edit in place
-        if self.cfg.zeroshot:
+        if main:
+            self.evaluate_dense()      # before any method: semi-structured ones edit in place
+        if self.cfg.zeroshot and main:
             self.dense_zeroshot = self.zeroshot(self.model)
         heal = self.cfg.heal.tokens > 0
         if heal:
@@ -134,6 +136,8 @@ class Job:
         if heal:
             from optimizer.heal import heal as heal_stage
             model = heal_stage(self, model)
+        if not main:
+            return {"plan": self.plan, "manifest": None, "out": None}
         if self.plan.quant != "none":
             from optimizer.quantize import quantize
             model = quantize(self, model)
@@ -239,13 +243,14 @@ class Job:
         if self.cfg.resume and not resumed:
             self.log(f"--resume: no checkpoint of this exact run at {ckpt}; starting from step 0")
         start_step, started, stats = method.step_count, time.time(), {}
-        bar = tqdm(total=steps, initial=method.step_count, desc=desc, unit="step")
+        main = distributed.is_main()  # the one process that writes checkpoints and shows progress
+        bar = tqdm(total=steps, initial=method.step_count, desc=desc, unit="step", disable=not main)
         while method.step_count < steps:
             stats = method.step(chunks[batch_indices(len(chunks), batch, method.step_count, self.cfg.seed)])
             bar.set_postfix(**postfix(stats))
             bar.update(1)
-            out_of_time = max_time_s is not None and time.time() - started >= max_time_s
-            if method.step_count % CHECKPOINT_EVERY == 0 or method.step_count == steps or out_of_time:
+            out_of_time = max_time_s is not None and distributed.all_agree(time.time() - started >= max_time_s)
+            if main and (method.step_count % CHECKPOINT_EVERY == 0 or method.step_count == steps or out_of_time):
                 method.save(ckpt)
             if out_of_time:
                 self.log(f"{desc}: stopped by the time cap after {method.step_count} of {steps} steps")

@@ -7,10 +7,11 @@ that becomes the package only when complete.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable
 
-from optimizer import budget, load, plan as planner, profiles, sparsity
+from optimizer import budget, distributed, load, plan as planner, profiles, sparsity
 from optimizer.adapters import MoEAdapter, get_adapter, onnx_families
 from optimizer.config import (DataConfig, DDPSettings, HealSettings, OptimizeConfig, RefitSettings, RoISettings,
                               SISettings, validate)
@@ -26,6 +27,9 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     """Prune (and package) the model `cfg` names. Returns {"plan", "manifest", "out"}, or
     {"plan", "dry_run": True} when `dry_run`; bad input raises UserError before any compute."""
     validate(cfg)
+    distributed.start(cfg.heal.device)  # under torchrun: join the process group before any work
+    if not distributed.is_main():
+        log = _silent
     target, why_target = target_profile(cfg.target)
     plan = planner.choose(target, cfg.method, engine_version=cfg.engine_version, sparsity=cfg.sparsity)
     if plan.sparsity and cfg.format != "vllm":
@@ -84,8 +88,12 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         from optimizer.semistructured import SemiStructured as Kind
     else:
         from optimizer.structured import Structured as Kind
-    with staged(out) as tmp:
+    with staged(out) if distributed.is_main() else contextlib.nullcontext() as tmp:  # rank 0 writes
         return Job(cfg, target, plan, source, adapter, out, tmp, log).run(Kind())
+
+
+def _silent(*args, **kwargs) -> None:
+    """The log of a rank other than 0: one process speaks for all."""
 
 
 def check_moe(cfg: OptimizeConfig, adapter) -> None:

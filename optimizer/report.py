@@ -53,6 +53,8 @@ def _heal_lines(m: dict) -> list[str]:
     lines = ["", "## Healing", "",
              f"Distilled from the dense model on {h['data']}: {h['tokens']:,} tokens in {h['steps']} steps "
              f"({h['wall_s']:.0f} s, peak {h['peak_rss_gib']:.1f} GiB resident; {_recipe(h['config'])}"
+             + (f"; {h['processes']} processes, {h['batch'] // h['processes']} sequence(s) each a step"
+                if h.get("processes", 1) > 1 else "")
              + (", stopped by the time cap" if h["stopped_by_time"] else "") + ").",
              f"KL to the dense model on the held-out calibration window: {b['held_out_kd']:.4f} before, "
              f"{a['held_out_kd']:.4f} after."]

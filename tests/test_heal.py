@@ -323,6 +323,50 @@ def test_two_gloo_processes_heal_as_one(tmp_path):
         torch.testing.assert_close(two["params"][n], p, atol=1e-5, rtol=1e-4)
 
 
+def test_optimize_under_torchrun_heals_on_two_processes_and_writes_one_package(tiny_dirs, text_file, tmp_path):
+    """`torchrun --nproc-per-node 2 optimize ...` (gloo on CPU): both ranks prune and heal, rank 0 writes the
+    package alone, and its weights are those of one process healing the same batch of 2 sequences a step."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from optimizer.cli import optimize
+    other = tmp_path / "heal.txt"
+    other.write_text(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)))
+    args = [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6", "--calib", str(text_file),
+            "--eval", str(text_file), "--heal-data", str(other), "--heal-tokens", "4096", "--heal-chat", "0",
+            "--seq-len", "128", "--calib-windows", "2", "--eval-windows", "1", "--quant", "none", "--threads", "1"]
+    r = CliRunner().invoke(optimize, [*args, "--heal-batch", "2", "-o", str(tmp_path / "one")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    script = Path(sys.executable).parent / "optimize"
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), *args, "-o", str(tmp_path / "two")],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("package: ") == 1  # one process speaks and writes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heal.txt", "one", "two"]  # no temporary directory left
+    h1, h2 = (json.loads((tmp_path / d / "manifest.json").read_text())["heal"] for d in ("one", "two"))
+    assert (h1["processes"], h2["processes"]) == (1, 2) and h1["batch"] == h2["batch"] == 2
+    assert h2["steps"] == h1["steps"] == 4
+    assert h2["final"]["kd"] == pytest.approx(h1["final"]["kd"], rel=1e-4)
+    w1, w2 = (load_file(tmp_path / d / "model.safetensors") for d in ("one", "two"))
+    assert w1.keys() == w2.keys()
+    for name, w in w1.items():
+        torch.testing.assert_close(w2[name], w, atol=1e-4, rtol=1e-3)
+
+
+def test_several_processes_are_refused_where_they_cannot_share_a_heal(tiny_dirs, text_file, tmp_path, monkeypatch):
+    from optimizer.cli import optimize
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file), "-o", str(tmp_path / "pkg")]
+    for extra, message in ((["--no-heal"], "healing is off"), (["--heal-device", "cuda:1"], "names one GPU")):
+        r = CliRunner().invoke(optimize, [*base, *extra])
+        assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_teachers_chat_answers_are_rendered_turns_of_built_in_instructions(tokenizer):
     from optimizer.heal import CHAT_PROMPTS, INSTRUCTIONS, teacher_chat
     teacher = tiny_model("llama", vocab_size=len(tokenizer))
