@@ -35,6 +35,8 @@ def start(heal_device: str) -> None:
     if cuda:
         torch.cuda.set_device(local_rank())
     dist.init_process_group("nccl" if cuda else "gloo")
+    import atexit
+    atexit.register(dist.destroy_process_group)  # ours to close: torch warns about a group left open
 
 
 def rank_world() -> tuple[int, int]:
