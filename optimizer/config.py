@@ -104,6 +104,12 @@ def check_heal_device(h: HealSettings) -> None:
     if processes > 1 and ":" in h.device:
         raise UserError(f"--heal-device {h.device} names one GPU for all {processes} processes; use cuda (or auto): "
                         "each process trains on its own, LOCAL_RANK's")
+    if processes > 1 and h.device in ("auto", "cuda"):
+        import torch
+        seen, rank = torch.cuda.device_count(), distributed.local_rank()
+        if (h.device == "cuda" or seen) and rank >= seen:
+            raise UserError(f"process LOCAL_RANK {rank} has no GPU of its own: torch sees {seen} here; start at most "
+                            f"{seen} processes a node (--nproc-per-node), or heal on the CPU (--heal-device cpu)")
     if h.tokens and h.device.startswith("cuda"):
         import torch
         seen = torch.cuda.device_count()  # 0 without CUDA

@@ -14,19 +14,31 @@ process (no WORLD_SIZE, or 1) never touches torch.distributed.
 
 from __future__ import annotations
 
+import datetime
 import os
 
 from optimizer.errors import UserError
 
 
+# Ranks > 0 wait in a collective while rank 0 alone evaluates the dense model and writes the
+# teacher's chat answers (and, after the heal, while it exports): hours for a large model on a slow
+# machine, far beyond NCCL's 10-minute default. A rank that dies is noticed by torchrun, not by this.
+WAIT = datetime.timedelta(hours=12)
+
+
 def launched() -> int:
-    """The number of processes torchrun (or any launcher that sets WORLD_SIZE) started: 1 if none."""
+    """The number of processes torchrun started (WORLD_SIZE, with a LOCAL_RANK: a launcher that sets
+    WORLD_SIZE alone, for its own purposes, is not a launch of this job): 1 if none."""
+    if "LOCAL_RANK" not in os.environ:
+        return 1
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
-def start(heal_device: str) -> None:
+def start(heal_device: str, threads: int | None = None) -> None:
     """Join the process group of a multi-process launch (nothing for a single process): NCCL when
-    the heal trains on CUDA, gloo otherwise. Called once, before any work."""
+    the heal trains on CUDA, gloo otherwise. Without --threads, each process takes its share of the
+    node's cores (torchrun sets OMP_NUM_THREADS=1, which would run every stage on one core). Called
+    once, before any work."""
     import torch
     import torch.distributed as dist
     if launched() == 1 or dist.is_initialized():
@@ -34,7 +46,10 @@ def start(heal_device: str) -> None:
     cuda = heal_device.startswith("cuda") or (heal_device == "auto" and torch.cuda.is_available())
     if cuda:
         torch.cuda.set_device(local_rank())
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if not threads:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", launched()) or 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=WAIT)
     import atexit
     atexit.register(dist.destroy_process_group)  # ours to close: torch warns about a group left open
 
@@ -87,6 +102,14 @@ def broadcast_model(model) -> None:
     with torch.no_grad():
         for _, t in tensors:
             dist.broadcast(t.data, src=0)
+
+
+def same_on_every_rank(value, what: str) -> None:
+    """A one-line error on a rank whose `value` differs from rank 0's (torchrun then stops the others)."""
+    theirs = broadcast_object(value)
+    if theirs != value:
+        raise UserError(f"rank {rank_world()[0]} has {what} {value!r} where rank 0 has {theirs!r}; "
+                        "every rank must see the same model, data and cache")
 
 
 def all_agree(flag: bool) -> bool:

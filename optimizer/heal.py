@@ -289,7 +289,7 @@ def heal_device(name: str) -> torch.device:
     with several processes (optimizer/distributed.py) each one's LOCAL_RANK's."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
+    if name == "cuda" and distributed.launched() > 1:
         return torch.device("cuda", distributed.local_rank())
     return torch.device(name)
 

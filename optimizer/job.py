@@ -240,6 +240,7 @@ class Job:
         checkpoint; `max_time_s` stops it early (checkpointed). Returns the last step's stats,
         where it resumed from, and the wall time."""
         resumed = self.cfg.resume and method.load(ckpt)
+        distributed.same_on_every_rank(method.step_count, "resumed at step")  # else the ranks' steps part ways
         if self.cfg.resume and not resumed:
             self.log(f"--resume: no checkpoint of this exact run at {ckpt}; starting from step 0")
         start_step, started, stats = method.step_count, time.time(), {}

@@ -27,7 +27,7 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     """Prune (and package) the model `cfg` names. Returns {"plan", "manifest", "out"}, or
     {"plan", "dry_run": True} when `dry_run`; bad input raises UserError before any compute."""
     validate(cfg)
-    distributed.start(cfg.heal.device)  # under torchrun: join the process group before any work
+    distributed.start(cfg.heal.device, cfg.threads)  # under torchrun: join the process group before any work
     if not distributed.is_main():
         log = _silent
     target, why_target = target_profile(cfg.target)

@@ -358,8 +358,12 @@ def test_optimize_under_torchrun_heals_on_two_processes_and_writes_one_package(t
 
 
 def test_several_processes_are_refused_where_they_cannot_share_a_heal(tiny_dirs, text_file, tmp_path, monkeypatch):
+    from optimizer import distributed
     from optimizer.cli import optimize
     monkeypatch.setenv("WORLD_SIZE", "2")
+    assert distributed.launched() == 1  # WORLD_SIZE alone (another launcher's) is not torchrun's launch
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert distributed.launched() == 2
     base = [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file), "-o", str(tmp_path / "pkg")]
     for extra, message in ((["--no-heal"], "healing is off"), (["--heal-device", "cuda:1"], "names one GPU")):
         r = CliRunner().invoke(optimize, [*base, *extra])

@@ -76,7 +76,7 @@ class TrainedMethod(Method):
         path = Path(path)
         if not path.is_file():
             return False
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=False, map_location="cpu")  # restore() copies onto the model's device
         if any(state.get(k) != v for k, v in self.identity().items()):
             return False
         self.restore(state)
