@@ -95,10 +95,7 @@ def broadcast_model(model) -> None:
     if rank_world()[1] == 1:
         return
     tensors = list(model.state_dict(keep_vars=True).items())
-    shapes = [(n, tuple(t.shape)) for n, t in tensors]
-    if broadcast_object(shapes) != shapes:
-        raise UserError(f"rank {rank_world()[0]} pruned the model to other shapes than rank 0; "
-                        "run every rank with the same arguments, model and data")
+    same_on_every_rank([(n, tuple(t.shape)) for n, t in tensors], "pruned shapes")
     with torch.no_grad():
         for _, t in tensors:
             dist.broadcast(t.data, src=0)
