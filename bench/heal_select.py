@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--data", default="wiki", choices=["wiki", "mix"])
+    ap.add_argument("--teacher-text", type=int, default=0, metavar="PROMPT_TOKENS",
+                    help="train on the teacher's own samples: each sequence keeps its first PROMPT_TOKENS "
+                         "tokens of --data and the dense model continues it (temperature 1, top-p 0.95); 0: off")
     ap.add_argument("--dtype", default="auto", help="the training passes' dtype: auto (the product's) | float32 | bfloat16")
     ap.add_argument("--zeroshot", type=int, default=150, help="documents per task (seed 4321); 0: none")
     ap.add_argument("--threads", type=int, default=2)
@@ -76,10 +79,16 @@ def main() -> None:
     train = torch.cat(train)
     train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(0))]
 
+    train = train[: a.steps * a.batch]
+    gen_s = 0.0
+    if a.teacher_text:
+        started = time.time()
+        train = teacher_continuations(teacher, train, a.teacher_text, tok.eos_token_id)
+        gen_s = time.time() - started
     cfg = HealConfig(steps=a.steps, lr=a.lr, lr_end=a.lr / 10 if a.lr_end is None else a.lr_end,
                      dtype=str(calibration_dtype(a.dtype)).removeprefix("torch."))
     kls = lambda m: {k: round(kd_eval(m, teacher, v), 4) for k, v in held.items()}  # noqa: E731
-    result = {"args": vars(a), "train_sequences": len(train), "before": kls(student), **benchlib.run_info()}
+    result = {"args": vars(a), "train_sequences": len(train), "generate_s": round(gen_s), "before": kls(student), **benchlib.run_info()}
     distil = Distillation(student, teacher, cfg)
     started, losses = time.time(), []
     for i in range(a.steps):
@@ -95,12 +104,28 @@ def main() -> None:
     print(json.dumps({k: result[k] for k in ("after", "after_mean", "zeroshot") if k in result}, indent=1))
 
 
+def teacher_continuations(teacher, windows, prompt_tokens: int, eos: int, batch: int = 24):
+    """Each window's first prompt_tokens tokens, continued by the dense model's samples to the
+    window's length (end-of-text suppressed until then). Seeded by the caller's torch seed."""
+    import torch
+    from tqdm import tqdm
+    out = []
+    for chunk in tqdm(windows.split(batch), desc="teacher's text", unit="batch"):
+        prompt = chunk[:, :prompt_tokens]
+        new = chunk.shape[1] - prompt_tokens
+        out.append(teacher.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                                    temperature=1.0, top_p=0.95, max_new_tokens=new, min_new_tokens=new,
+                                    pad_token_id=eos))
+    return torch.cat(out)
+
+
 def markdown(folder: Path) -> str:
     rows = []
     for f in sorted(folder.glob("*.json")):
         r = json.loads(f.read_text())
         a = r["args"]
-        rows.append([f.stem, f"{a['lr']:g}", a["data"], f"{a['steps']} × {a['batch']} × {a['seq']}",
+        data = a["data"] + (f" (teacher, prompt {a['teacher_text']})" if a.get("teacher_text") else "")
+        rows.append([f.stem, f"{a['lr']:g}", data, f"{a['steps']} × {a['batch']} × {a['seq']}",
                      f"{r['after_mean']:.4f}", *(f"{r['after'][k]:.4f}" for k in r["after"]),
                      f"{r['zeroshot']:.3f}" if "zeroshot" in r else "—"])
     first = json.loads(sorted(folder.glob("*.json"))[0].read_text())
