@@ -79,11 +79,10 @@ def main() -> None:
     train = torch.cat(train)
     train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(0))]
 
-    train = train[: a.steps * a.batch]
     gen_s = 0.0
-    if a.teacher_text:
+    if a.teacher_text:  # only the windows the steps read
         started = time.time()
-        train = teacher_continuations(teacher, train, a.teacher_text, tok.eos_token_id)
+        train = teacher_continuations(teacher, train[: a.steps * a.batch], a.teacher_text, tok.eos_token_id)
         gen_s = time.time() - started
     cfg = HealConfig(steps=a.steps, lr=a.lr, lr_end=a.lr / 10 if a.lr_end is None else a.lr_end,
                      dtype=str(calibration_dtype(a.dtype)).removeprefix("torch."))

@@ -105,6 +105,8 @@ def same_on_every_rank(value, what: str) -> None:
     """A one-line error on a rank whose `value` differs from rank 0's (torchrun then stops the others)."""
     theirs = broadcast_object(value)
     if theirs != value:
+        if isinstance(value, list) and isinstance(theirs, list) and len(value) == len(theirs):
+            value, theirs = next((v, t) for v, t in zip(value, theirs) if v != t)  # one entry, one line
         raise UserError(f"rank {rank_world()[0]} has {what} {value!r} where rank 0 has {theirs!r}; "
                         "every rank must see the same model, data and cache")
 
