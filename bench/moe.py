@@ -50,7 +50,7 @@ def random_moe(family: str, vocab: int, seed: int = 0):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", nargs="+", default=["mixtral", "qwen3_moe"], choices=["mixtral", "qwen3_moe"])
-    ap.add_argument("--retain", type=float, default=0.5, help="share of routed experts kept")
+    ap.add_argument("--retain", type=float, default=0.5, help="share of routed-expert parameters kept")
     ap.add_argument("--target", default="cpu")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", default="1,16")

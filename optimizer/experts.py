@@ -8,11 +8,15 @@ surgery  router rows and both 3-D expert tensors sliced (`moe_surgery.prune_expe
          against the masked model (removed experts' router logits at −inf) on the held-out window
 export   a vLLM package of the same architecture with fewer experts in its config
 
-How `--retain` is split: it is the share of *routed experts* kept (their parameters are nearly
-all of an MoE model's), uniform across MoE layers so the package is a stock config; attention,
-shared experts, dense layers and the routers' kept rows stay whole. Heads and channels of MoE
-models are not pruned yet. The report gives the parameters, the active parameters per token
-(unchanged: top-k stays) and the roofline's account of what removing experts saves.
+How `--retain` is split: it is the share of *routed-expert parameters* kept (nearly all of an
+MoE model's), uniform across MoE layers so the package is a stock config. Whole experts go
+first, floor(--retain · E) per layer, but never fewer than the top-k every token is routed to;
+a budget below k/E then narrows every kept expert to floor(--retain · E · I / k) channels
+(`moe_surgery.expert_width_to_keep`; channels ranked by `methods/reap.ChannelImportance` with
+the removed experts already masked). Attention heads, shared experts, dense layers and the
+routers' kept rows stay whole: attention is a few percent of an MoE model's parameters. The
+report gives the split, the parameters, the active parameters per token (unchanged unless the
+experts are narrowed) and the roofline's account of what the removal saves.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from optimizer import report
 from optimizer.job import MAX_MODEL_LEN, Decision, Job
 from optimizer.methods.ddp import DDPConfig, peak_rss_gib
 from optimizer.methods.ddp_experts import ExpertGates
-from optimizer.methods.reap import ExpertImportance
-from optimizer.moe_surgery import experts_to_keep, masked_experts, prune_experts
+from optimizer.masks import ExpertMasks
+from optimizer.methods.reap import ChannelImportance, ExpertImportance
+from optimizer.moe_surgery import expert_width_to_keep, experts_to_keep, masked_experts, prune_experts
 from optimizer.sequential import calibration_dtype
 
 
@@ -54,14 +59,19 @@ class Experts:
         n = adapter.num_experts(model.config)
         job.log(f"experts: {n_keep} of {n} routed experts kept in each of {len(masks.keep)} MoE layers "
                 f"(top-{adapter.experts_per_token(model.config)} routing kept)")
-        return Decision(masks, detail, {"n_keep": n_keep})
+        width, full = expert_width_to_keep(adapter, model.config, cfg.retain), adapter.expert_intermediate(model.config)
+        if width < full:
+            masks = ExpertMasks(masks.keep, masks.scales, expert_channels(job, masks, width))
+            job.log(f"experts: {width} of {full} channels kept in each kept expert (--retain {cfg.retain:g} is below "
+                    f"top-k / experts, {adapter.experts_per_token(model.config)}/{n})")
+        return Decision(masks, detail, {"n_keep": n_keep, "width": width})
 
     # --- surgery ----------------------------------------------------------------------------------
     def surgery(self, job: Job, decision: Decision):
         model, adapter, masks = job.model, job.adapter, decision.masks
-        pruned = prune_experts(model, adapter, masks.keep, masks.scales)
+        pruned = prune_experts(model, adapter, masks.keep, masks.scales, masks.channels)
         held_out = job.calib.held_out[:, :256]
-        with torch.inference_mode(), masked_experts(model, adapter, masks.keep, masks.scales):
+        with torch.inference_mode(), masked_experts(model, adapter, masks.keep, masks.scales, masks.channels):
             ref = model(held_out).logits
         with torch.inference_mode():
             max_diff = (pruned(held_out).logits - ref).abs().max().item()
@@ -73,21 +83,22 @@ class Experts:
     # --- the manifest's sections ------------------------------------------------------------------
     def describe(self, job: Job, decision: Decision, pruned) -> dict:
         cfg, model, adapter = job.cfg, job.model, job.adapter
-        config, n_keep = model.config, decision.extra["n_keep"]
+        config, n_keep, width = model.config, decision.extra["n_keep"], decision.extra["width"]
         dense_params = sum(p.numel() for p in model.parameters())
         pruned_params = sum(p.numel() for p in pruned.parameters())
-        job.plan.prediction = planner.roofline_experts(job.target, adapter, config, n_keep, dense_params)
+        job.plan.prediction = planner.roofline_experts(job.target, adapter, config, n_keep, dense_params, width=width)
         e = job.plan.prediction["experts"]
-        n = adapter.num_experts(config)
-        method = {"name": job.plan.method, "plan": job.plan.method, "layout": "uniform", "budget": "routed experts",
-                  "retain_requested": cfg.retain, "retain_achieved": n_keep / n, "seed": cfg.seed,
+        n, full = adapter.num_experts(config), adapter.expert_intermediate(config)
+        method = {"name": job.plan.method, "plan": job.plan.method, "layout": "uniform",
+                  "budget": "routed experts" if width == full else "routed experts, then expert channels",
+                  "retain_requested": cfg.retain, "retain_achieved": n_keep * width / (n * full), "seed": cfg.seed,
                   "experts": {"dense": n, "kept": n_keep, "top_k": e["top_k"], "moe_layers": adapter.moe_layers(config),
-                              "keep": decision.masks.keep},
+                              "keep": decision.masks.keep, "width_dense": full, "width_kept": width},
                   **decision.detail}
         lookup = 0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel()
-        active = e["active_params"] + lookup  # top-k unchanged: as many expert weights per token
+        # top-k unchanged: as many experts per token, each narrower when channels went
         size = {"params_dense": dense_params, "params_pruned": pruned_params, "lookup_params": lookup,
-                "active_params_dense": active, "active_params_pruned": active,
+                "active_params_dense": e["active_params"] + lookup, "active_params_pruned": e["active_params_pruned"] + lookup,
                 "bf16_bytes_dense": 2 * dense_params, "bf16_bytes_pruned": 2 * pruned_params,
                 # every expert read: the large-batch limit (the roofline gives batch 1 and 16)
                 "ideal_ratio": (dense_params - lookup) / (pruned_params - lookup)}
@@ -99,6 +110,18 @@ class Experts:
     def export(self, job: Job, pruned, manifest: dict) -> None:
         vllm_export.write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render_experts(manifest),
                                   finish_checkpoint=job.finish_checkpoint)
+
+
+def expert_channels(job: Job, masks: ExpertMasks, width: int) -> list[list[list[int]]]:
+    """Each kept expert's `width` channels, from a calibration pass with the removed experts
+    masked (and the kept ones scaled), so a kept expert is scored on the tokens it will get."""
+    cfg, model, adapter = job.cfg, job.model, job.adapter
+    method = ChannelImportance(model, adapter)
+    with masked_experts(model, adapter, masks.keep, masks.scales):
+        for w in tqdm(job.calib.train[: cfg.data.calib_windows], desc="expert channels", unit="win"):
+            method.observe(w[None])
+    method.close()
+    return method.decide(masks.keep, width)
 
 
 def train_expert_gates(job: Job):

@@ -4,7 +4,8 @@
   optional scales and refitted columns that surgery folds in. `surgery.prune` removes the rest.
 - `SparseMasks` (semi-structured, N:M or unstructured): per block, one boolean keep-mask per
   Linear, the same shape as its weight. The zeros are applied in place; shapes never change.
-- `ExpertMasks` (MoE): per MoE layer, the routed experts kept and their learned scales, for
+- `ExpertMasks` (MoE): per MoE layer, the routed experts kept, their learned scales and (when
+  the budget narrows the experts) each kept expert's channels, for
   `moe_surgery.prune_experts`.
 """
 
@@ -74,6 +75,8 @@ class SparseMasks:
 
 class ExpertMasks(NamedTuple):
     """Per MoE layer, the kept routed experts (ascending) and the scale each ships with (None:
-    the one-shot importance keeps experts as they are)."""
+    the one-shot importance keeps experts as they are); and per kept expert its kept channels
+    (None: experts keep their full width)."""
     keep: list[list[int]]
     scales: list[torch.Tensor] | None = None
+    channels: list[list[list[int]]] | None = None

@@ -17,7 +17,7 @@ from optimizer.config import (DataConfig, DDPSettings, HealSettings, OptimizeCon
                               SISettings, validate)
 from optimizer.errors import UserError
 from optimizer.job import Job, staged
-from optimizer.moe_surgery import experts_to_keep
+from optimizer.moe_surgery import expert_width_to_keep, experts_to_keep
 
 __all__ = ["optimize", "validate", "OptimizeConfig", "DataConfig", "DDPSettings", "RoISettings", "SISettings",
            "RefitSettings", "HealSettings"]
@@ -59,8 +59,8 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     if cfg.layout == "per-layer" and not adapter.per_layer:
         raise UserError(f"{adapter.family}: no per-layer model class for this family; use --layout uniform")
     if moe:
-        n_keep = experts_to_keep(adapter, hf_config, cfg.retain)
-        plan.prediction = planner.roofline_experts(target, adapter, hf_config, n_keep, meta_params(hf_config))
+        n_keep, width = experts_to_keep(adapter, hf_config, cfg.retain), expert_width_to_keep(adapter, hf_config, cfg.retain)
+        plan.prediction = planner.roofline_experts(target, adapter, hf_config, n_keep, meta_params(hf_config), width=width)
     elif plan.sparsity:
         for name, width in adapter.input_widths(hf_config).items():
             sparsity.parse(plan.sparsity).check_shape(width, name)
@@ -109,7 +109,7 @@ def check_moe(cfg: OptimizeConfig, adapter) -> None:
                         "experts, so there is nothing to refit: drop --refit")
     if cfg.budget != "params":
         raise UserError("--budget latency applies to heads and channels; for MoE models --retain is the share "
-                        "of routed experts kept: drop --budget")
+                        "of routed-expert parameters kept: drop --budget")
     if cfg.quant not in ("none", "auto"):
         raise UserError(f"{adapter.family}: MoE packages are not quantized yet (the fused 3-D expert tensors "
                         f"need their own scheme): use --quant none or auto")

@@ -69,8 +69,12 @@ class Plan:
                             f"the LM head the rest" if "block_bytes_share" in p else "") + ")")
             if "experts" in p:
                 e = p["experts"]
-                lines.append(f"  experts: {e['kept']} of {e['dense']} per MoE layer, top-{e['top_k']} kept, so the "
-                             f"FLOPs a token costs do not change; a batch of 16 reads {e['touched_b16'][0]:.1f} → "
+                narrowed = e.get("width_kept", e.get("width_dense")) != e.get("width_dense")
+                flops = (f"each narrowed to {e['width_kept']} of {e['width_dense']} channels because --retain is "
+                         f"below top-k / experts, so a token costs fewer FLOPs" if narrowed
+                         else "so the FLOPs a token costs do not change")
+                lines.append(f"  experts: {e['kept']} of {e['dense']} per MoE layer, top-{e['top_k']} kept, {flops}; "
+                             f"a batch of 16 reads {e['touched_b16'][0]:.1f} → "
                              f"{e['touched_b16'][1]:.1f} experts a layer (uniform routing assumed)")
         return "\n".join(lines)
 
@@ -150,8 +154,9 @@ def for_experts(plan: Plan, method: str, family: str) -> None:
     how = ("DDP's learned expert gates" if plan.method == "ddp" else
            "the one-shot REAP-style importance (router-weighted expert output norms on the calibration text)")
     plan.reasons.append(f"MoE model → routed experts removed, the same number in every MoE layer (a stock "
-                        f"config every engine loads), chosen by {how}; attention, shared experts and dense "
-                        f"layers stay whole")
+                        f"config every engine loads), chosen by {how}, down to top-k at most; a --retain below "
+                        f"top-k / experts narrows the kept experts' channels instead; attention, shared experts "
+                        f"and dense layers stay whole")
 
 
 def experts_touched(n_experts: int, top_k: int, batch: int) -> float:
@@ -160,24 +165,28 @@ def experts_touched(n_experts: int, top_k: int, batch: int) -> float:
 
 
 def roofline_experts(target: Profile, adapter, config, n_keep: int, params: int, prompt_tokens: int = 512,
-                     context_tokens: int = 512, bytes_per_value: int = 2) -> dict:
-    """The roofline of an MoE package with `n_keep` of E routed experts per MoE layer, against the
-    dense MoE (`params`: its parameter count). Every token still runs top-k experts, so the FLOPs
-    do not change; what falls is the bytes a decode step streams, the experts the batch touches:
+                     context_tokens: int = 512, bytes_per_value: int = 2, width: int | None = None) -> dict:
+    """The roofline of an MoE package with `n_keep` of E routed experts per MoE layer (each
+    `width` channels wide; default the dense width), against the dense MoE (`params`: its
+    parameter count). Every token still runs top-k experts, so removing experts leaves the FLOPs
+    alone; what falls is the bytes a decode step streams, the experts the batch touches:
     E·(1 − (1 − k/E)^B) a layer with routing assumed uniform. At batch 1 that is k either way
-    (no gain); at a large batch every expert is read and the ratio tends to the weight-bytes ratio."""
+    (no gain) unless the experts are narrowed; at a large batch every expert is read and the
+    ratio tends to the weight-bytes ratio."""
     peak = target.peak_bf16_dense_tflops * 1e12
     bw = target.memory_bandwidth_gbps * 1e9
     n, k, layers = adapter.num_experts(config), adapter.experts_per_token(config), len(adapter.moe_layers(config))
-    ffn = 3 * config.hidden_size * adapter.expert_intermediate(config)   # one routed expert's weights
+    full = adapter.expert_intermediate(config)
+    width = full if width is None else width
     lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
-    always = params - lookup - layers * n * ffn                          # attention, shared, dense, routers, head
+    always = params - lookup - layers * n * 3 * config.hidden_size * full  # attention, shared, dense, routers, head
     d = adapter.head_dim(config)
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * d
     attn_width = config.num_hidden_layers * config.num_attention_heads * d
-    active = always + layers * k * ffn
 
-    def times(experts: int):
+    def times(experts: int, channels: int):
+        ffn = 3 * config.hidden_size * channels   # one routed expert's weights
+        active = always + layers * k * ffn
         weight_bytes = (always + layers * experts * ffn) * bytes_per_value
         L = prompt_tokens
         read_prefill = (always + layers * experts_touched(experts, k, L) * ffn) * bytes_per_value
@@ -188,16 +197,17 @@ def roofline_experts(target: Profile, adapter, config, n_keep: int, params: int,
             moved = ((always + layers * experts_touched(experts, k, batch) * ffn) * bytes_per_value
                      + batch * context_tokens * kv * bytes_per_value)
             return max(flops, moved / bw)
-        return prefill, decode(1), decode(16), weight_bytes
+        return prefill, decode(1), decode(16), weight_bytes, active
 
-    dense, pruned = times(n), times(n_keep)
+    dense, pruned = times(n, full), times(n_keep, width)
     return {"prompt_tokens": prompt_tokens, "context_tokens": context_tokens, "precision": "none",
             "prefill_speedup": dense[0] / pruned[0], "decode_speedup_b1": dense[1] / pruned[1],
             "decode_speedup_b16": dense[2] / pruned[2], "weight_bytes_ratio": dense[3] / pruned[3],
             "dense_decode_ms_b1": dense[1] * 1e3, "pruned_decode_ms_b1": pruned[1] * 1e3,
             "experts": {"dense": n, "kept": n_keep, "top_k": k, "moe_layers": layers,
+                        "width_dense": full, "width_kept": width,
                         "touched_b16": [experts_touched(n, k, 16), experts_touched(n_keep, k, 16)],
-                        "active_params": active, "routing": "uniform"}}
+                        "active_params": dense[4], "active_params_pruned": pruned[4], "routing": "uniform"}}
 
 
 def unit_latency_costs(target: Profile, adapter: DecoderAdapter, config, batch: int = 16,

@@ -132,12 +132,15 @@ def render_experts(m: dict) -> str:
         f"- target: {m['target']['display_name']} (`{m['target']['name']}`)",
         f"- method: {meth['name']} (routed experts removed, the same number in each of "
         f"{len(e['moe_layers'])} MoE layers; seed {meth['seed']})",
-        f"- experts: {e['kept']} of {e['dense']} kept per MoE layer, top-{e['top_k']} routing unchanged; "
-        f"--retain {meth['retain_requested']:.2f} is the share of routed experts kept (achieved "
-        f"{meth['retain_achieved']:.3f}); attention, shared experts and dense layers are whole",
+        f"- experts: {e['kept']} of {e['dense']} kept per MoE layer, top-{e['top_k']} routing unchanged"
+        + (f", each narrowed to {e['width_kept']} of {e['width_dense']} channels"
+           if e.get("width_kept", e.get("width_dense")) != e.get("width_dense") else "")
+        + f"; --retain {meth['retain_requested']:.2f} is the share of routed-expert parameters kept, whole "
+        f"experts first down to top-k, then channels (achieved {meth['retain_achieved']:.3f}); attention, shared "
+        f"experts and dense layers are whole",
         f"- parameters: {size['params_dense']:,} → {size['params_pruned']:,}; active per token "
-        f"{size['active_params_dense']:,} before and after (ideal speedup from bytes once a batch "
-        f"reads every expert: {size['ideal_ratio']:.2f}x)",
+        f"{size['active_params_dense']:,} → {size['active_params_pruned']:,} (ideal speedup from bytes once a "
+        f"batch reads every expert: {size['ideal_ratio']:.2f}x)",
         f"- calibration: {meth['calibration']['source']}, {meth['calibration']['tokens']:,} tokens",
         "",
         "## Experts kept",
@@ -147,8 +150,8 @@ def render_experts(m: dict) -> str:
         "",
         "## Speed",
         "",
-        f"Removing experts does not change the work a token does (it still runs {e['top_k']} experts). "
-        f"It lowers the bytes a step reads once a batch reaches more experts than are left: the roofline "
+        f"Removing experts does not change the work a token does (it still runs {e['top_k']} experts; "
+        f"narrowing them does). It lowers the bytes a step reads once a batch reaches more experts than are left: the roofline "
         f"predicts {p['decode_speedup_b1']:.2f}x at batch 1 and {p['decode_speedup_b16']:.2f}x at batch 16.",
         "", "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m),
         "", "## Plan", "", "```", m["plan"]["text"], "```", "",

@@ -162,13 +162,53 @@ def test_masked_equals_pruned(family, tmp_path):
             torch.testing.assert_close(again(x).logits, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_masked_equals_pruned_with_narrowed_experts(family, tmp_path):
+    """Experts removed *and* each kept expert narrowed to its own channels: the masked model
+    (removed down_proj columns read zero) == the sliced model == its save/load round trip, and
+    the masking leaves the weights as they were."""
+    model, x = tiny_moe(family), _inputs()
+    adapter = get_adapter(model.config)
+    n_layers, full, width = len(adapter.moe_layers(model.config)), adapter.expert_intermediate(model.config), 16
+    keep, scales = _random_keep(n_layers, TOP_K + 1, seed=3)
+    g = torch.Generator().manual_seed(4)
+    channels = [[sorted(torch.randperm(full, generator=g)[:width].tolist()) for _ in kept] for kept in keep]
+    before = [p.experts.down_proj.clone() for p in moe_parts(model, adapter)]
+    with torch.inference_mode():
+        with masked_experts(model, adapter, keep, scales):
+            experts_only = model(x).logits
+        with masked_experts(model, adapter, keep, scales, channels):
+            ref = model(x).logits
+    assert not torch.allclose(ref, experts_only, atol=1e-3), "narrowing the experts must change something"
+    assert all(torch.equal(b, p.experts.down_proj) for b, p in zip(before, moe_parts(model, adapter)))
+    pruned = prune_experts(model, adapter, keep, scales, channels)
+    with torch.inference_mode():
+        torch.testing.assert_close(pruned(x).logits, ref, atol=1e-5, rtol=1e-5)
+    assert adapter.expert_intermediate(pruned.config) == width and adapter.expert_intermediate(model.config) == full
+    for old, new, k, ch in zip(moe_parts(model, adapter), moe_parts(pruned, adapter), keep, channels):
+        assert new.experts.gate_up_proj.shape == (TOP_K + 1, 2 * width, 32)
+        assert new.experts.down_proj.shape == (TOP_K + 1, 32, width)
+        torch.testing.assert_close(new.experts.gate_up_proj[0, width:], old.experts.gate_up_proj[k[0], [full + c for c in ch[0]]])
+    removed = n_layers * (E * 3 * 32 * full - (TOP_K + 1) * 3 * 32 * width + (E - TOP_K - 1) * 32)
+    assert sum(p.numel() for p in pruned.parameters()) == sum(p.numel() for p in model.parameters()) - removed
+    pruned.save_pretrained(tmp_path / "narrow")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "narrow").eval()
+    with torch.inference_mode():
+        torch.testing.assert_close(again(x).logits, ref, atol=1e-5, rtol=1e-5)
+    uneven = [[list(range(width))] * TOP_K + [list(range(width - 1))] for _ in keep]
+    with pytest.raises(UserError, match="channels per expert"):
+        prune_experts(model, adapter, keep, None, uneven)
+    with pytest.raises(UserError, match="ascending"):
+        prune_experts(model, adapter, keep, None, [[[2, 1]] * (TOP_K + 1) for _ in keep])
+
+
 def test_unequal_counts_simulate_but_do_not_export():
     model, x = tiny_moe("mixtral"), _inputs()
     adapter = get_adapter(model.config)
     keep = [[0, 1, 2, 3], [1, 2, 5], [0, 1, 2, 3, 4]]
     with masked_experts(model, adapter, keep):
         assert all(c <= set(k) for c, k in zip(_chosen_experts(model, adapter, x), keep))
-    with pytest.raises(UserError, match="per-layer expert counts need"):
+    with pytest.raises(UserError, match="per-layer counts need"):
         prune_experts(model, adapter, keep)
 
 
@@ -213,7 +253,7 @@ def test_expert_gates_train_toward_the_budget():
     assert log[0]["retain"] > 0.9 and abs(log[-1]["retain"] - 0.5) < abs(log[0]["retain"] - 0.5)
     assert max(x["lambda"] for x in log) > 0 and log[-1]["mu"] < log[0]["mu"] and log[0]["kd"] == 0
     assert not torch.allclose(gates.z, torch.ones_like(gates.z))
-    keep, scales = gates.decide()
+    keep, scales, _ = gates.decide()
     assert gates.budget_count() == 3 and all(len(k) == 3 for k in keep)
     assert all(torch.equal(s, gates.values()[i][k]) for i, (k, s) in enumerate(zip(keep, scales)))
     for k_keep in (TOP_K, E):
@@ -221,8 +261,8 @@ def test_expert_gates_train_toward_the_budget():
     with pytest.raises(UserError):
         gates.decide(TOP_K - 1)
     gates.remove_hooks()
-    with pytest.raises(UserError):
-        ExpertGates(model, adapter, DDPConfig(retain=0.2)).budget_count()  # 1 of 6 < top-k
+    # 1 of 6 would be fewer than top-k: the gates keep top-k, and the experts are narrowed instead
+    assert ExpertGates(model, adapter, DDPConfig(retain=0.2)).budget_count() == TOP_K
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -239,7 +279,7 @@ def test_gated_model_with_binarised_gates_equals_the_pruned_model(family):
     with torch.inference_mode():
         gated = model(x).logits
     assert all(len(c) <= 4 for c in _chosen_experts(model, adapter, x))  # zero-gated experts are not routed
-    keep, scales = gates.decide(4)
+    keep, scales, _ = gates.decide(4)
     assert all(set(k) == set((row > 0).nonzero().flatten().tolist()) for k, row in zip(keep, gates.z))
     gates.enabled = False
     with torch.inference_mode():

@@ -90,13 +90,15 @@ def test_gemma3_refuses_what_it_cannot_be_written_as_before_any_work(tokenizer, 
     assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("family, architecture", [("mixtral", "MixtralForCausalLM"),
-                                                  ("qwen2_moe", "Qwen2MoeForCausalLM"),
-                                                  ("qwen3_moe", "Qwen3MoeForCausalLM")])
-def test_vllm_serves_an_moe_package_with_experts_removed_like_transformers(tokenizer, text_file, tmp_path,
-                                                                           family, architecture):
+@pytest.mark.parametrize("family, architecture, retain, kept, width", [
+    ("mixtral", "MixtralForCausalLM", "0.25", 2, 96),  # below top-k / E: 2 experts, each narrowed to 96 of 128
+    ("qwen2_moe", "Qwen2MoeForCausalLM", "0.7", 4, 128),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", "0.7", 4, 128)])
+def test_vllm_serves_an_moe_package_with_experts_removed_like_transformers(tokenizer, text_file, tmp_path, family,
+                                                                           architecture, retain, kept, width):
     """The expert kind's package (4 of 6 routed experts per MoE layer, the router sliced, the
-    shared expert of Qwen2-MoE kept) loads into vLLM's own MoE model with no flag."""
+    shared expert of Qwen2-MoE kept; or 2 of 6, narrowed) loads into vLLM's own MoE model with
+    no flag."""
     from tests.test_moe import tiny_moe
     src = tmp_path / family
     model = tiny_moe(family, vocab_size=len(tokenizer), **{k: SMALL[k] for k in ("hidden_size", "head_dim")},
@@ -108,11 +110,12 @@ def test_vllm_serves_an_moe_package_with_experts_removed_like_transformers(token
     model.save_pretrained(src)
     tokenizer.save_pretrained(src)
     pkg = tmp_path / "pkg"
-    r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--retain", "0.7", "--calib", str(text_file),
+    r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--retain", retain, "--calib", str(text_file),
                                       "--eval", str(text_file), "--seq-len", "64", "--calib-windows", "2",
                                       "--eval-windows", "1", "--no-heal", "-o", str(pkg)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     m = json.loads((pkg / "manifest.json").read_text())
-    assert m["source"]["family"] == family and m["method"]["experts"]["kept"] == 4
+    assert m["source"]["family"] == family and m["method"]["experts"]["kept"] == kept
+    assert m["method"]["experts"]["width_kept"] == width
     assert json.loads((pkg / "config.json").read_text())["architectures"] == [architecture]
     _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, architecture)

@@ -34,7 +34,8 @@ What transformers 5.x builds (checked in models/mixtral|qwen2_moe|qwen3_moe/mode
   on load. Expert e of the pruned model is the e-th kept expert.
 
 Removing an expert = its router row and its slices of both 3-D tensors; a kept expert's scale
-folds into its `down_proj` slice (no bias, so exact). The structured head/channel path of
+folds into its `down_proj` slice (no bias, so exact). Narrowing the experts = per kept expert,
+gate row c, up row I + c and down column c go together; the config's expert width changes. The structured head/channel path of
 `DecoderAdapter` (dense MLP channels) does not apply to MoE blocks and raises a UserError.
 """
 
@@ -98,9 +99,11 @@ class MoEAdapter(DecoderAdapter):
         top, idx = torch.topk(probs, router.top_k, dim=-1)
         return top / top.sum(dim=-1, keepdim=True), idx
 
-    def pruned_moe_config(self, config, n_experts: int):
+    def pruned_moe_config(self, config, n_experts: int, expert_width: int | None = None):
         new = copy.deepcopy(config)
         setattr(new, self.experts_key, n_experts)
+        if expert_width is not None:
+            setattr(new, self.expert_width_key, expert_width)
         return new
 
     # --- the dense head/channel path does not cover MoE blocks yet ------------------------

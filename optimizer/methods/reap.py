@@ -9,6 +9,13 @@ contributes little to the layer's output). An expert no calibration token reache
 Decide: `decide(n_keep)` → `ExpertMasks` keeping, in every MoE layer, the `n_keep` experts with
 the highest scores (ascending indices; no scales), for `moe_surgery.prune_experts`.
 
+Channels, when `--retain` asks for fewer parameters than top-k whole experts give
+(`moe_surgery.expert_width_to_keep`): `ChannelImportance`, observed with the removed experts
+already masked (so each kept expert sees the tokens it will get), scores channel c of expert e
+by the output energy it adds, ‖down_e[:, c]‖² · Σ_t (g_e(x_t) · h_t,c)², h = act(gate x) · up x
+over the tokens routed to e (Wanda's |W|·‖X‖ for the expert's down projection, with the router
+weight); `decide(width)` keeps the `width` highest in every kept expert.
+
 The statistics come from a forward pre-hook on the fused experts module, which receives the
 hidden states, the top-k index and the top-k weights the family's router computed: the expert
 outputs are recomputed from the 3-D weight tensors, so the score does not depend on which
@@ -26,10 +33,23 @@ from optimizer.methods.base import Method
 from optimizer.moe_surgery import as_moe_adapter, moe_parts
 
 
+def expert_inner(experts, hidden: torch.Tensor, expert: int) -> torch.Tensor:
+    """act(gate x) · up x of one routed expert: the input of its down projection [T, I]."""
+    gate, up = F.linear(hidden, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
 def expert_outputs(experts, hidden: torch.Tensor, expert: int) -> torch.Tensor:
     """f_e(hidden) for one routed expert of a fused experts module (no router weight)."""
-    gate, up = F.linear(hidden, experts.gate_up_proj[expert]).chunk(2, dim=-1)
-    return F.linear(experts.act_fn(gate) * up, experts.down_proj[expert])
+    return F.linear(expert_inner(experts, hidden, expert), experts.down_proj[expert])
+
+
+def _routed(args, kwargs):
+    """(hidden [T, H], top-k index [T, k], top-k weights [T, k]) as the experts module gets them."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+    weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]
+    return hidden, index, weights
 
 
 class ExpertImportance(Method):
@@ -45,9 +65,7 @@ class ExpertImportance(Method):
 
     def _hook(self, layer: int):
         def hook(experts, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            index = args[1] if len(args) > 1 else kwargs["top_k_index"]
-            weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]
+            hidden, index, weights = _routed(args, kwargs)
             for e in index.unique().tolist():
                 token, slot = torch.where(index == e)
                 norm = expert_outputs(experts, hidden[token], e).float().norm(dim=-1)
@@ -71,3 +89,44 @@ class ExpertImportance(Method):
             raise UserError(f"keep {n_keep} experts per layer: must be between top-k {self.k} and {self.n}")
         keep = [sorted(s.topk(n_keep).indices.tolist()) for s in self.scores()]
         return ExpertMasks(keep, None)
+
+
+class ChannelImportance(Method):
+    """Per MoE layer and routed expert, the output energy of each intermediate channel."""
+
+    def __init__(self, model, adapter):
+        self.model, self.adapter = model, as_moe_adapter(adapter)
+        self.parts = moe_parts(model, self.adapter)
+        n, width = self.adapter.num_experts(model.config), self.adapter.expert_intermediate(model.config)
+        self.energy = torch.zeros(len(self.parts), n, width, dtype=torch.float64)
+        self._handles = [p.experts.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+                         for i, p in enumerate(self.parts)]
+
+    def _hook(self, layer: int):
+        def hook(experts, args, kwargs):
+            hidden, index, weights = _routed(args, kwargs)
+            for e in index.unique().tolist():
+                token, slot = torch.where(index == e)
+                h = expert_inner(experts, hidden[token], e).float() * weights[token, slot].float()[:, None]
+                self.energy[layer, e] += h.square().sum(0).double()
+        return hook
+
+    # --- observe --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def observe(self, input_ids: torch.Tensor) -> dict:
+        self.model(input_ids)
+        return {}
+
+    def scores(self) -> torch.Tensor:
+        """[MoE layers, E, I]: ‖down_e[:, c]‖² · Σ_t (g_e(x_t) h_t,c)² over the tokens routed to e."""
+        down = torch.stack([p.experts.down_proj.detach().double().square().sum(1) for p in self.parts])
+        return self.energy * down
+
+    # --- decide ---------------------------------------------------------------------------------
+    def decide(self, keep: list[list[int]], width: int) -> list[list[list[int]]]:
+        """Per MoE layer and kept expert, its `width` highest-scoring channels (ascending)."""
+        full = self.energy.shape[-1]
+        if not 1 <= width <= full:
+            raise UserError(f"keep {width} channels per expert: must be between 1 and {full}")
+        scores = self.scores()
+        return [[sorted(scores[i, e].topk(width).indices.tolist()) for e in kept] for i, kept in enumerate(keep)]
