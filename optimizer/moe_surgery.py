@@ -6,7 +6,7 @@ Qwen MoE models have no entry): the ascending indices of the routed experts the 
 expert's output in the weighted expert sum (a learned DDP gate lands here). `channels`
 optionally holds, per MoE layer and kept expert, the ascending intermediate channels that expert
 keeps (the same number everywhere: the config has one expert width), when `--retain` asks for
-fewer parameters than removing experts down to top-k gives (`split_retain`).
+fewer parameters than removing experts down to top-k gives (`expert_width_to_keep`).
 
 - `masked_experts`: hooks, weights untouched. A forward hook on the router sets the removed
   experts' logits to -inf and redoes the family's softmax / top-k / renormalisation from them
@@ -202,7 +202,7 @@ def masked_experts(model, adapter, keep: Sequence[Sequence[int]],
     finally:
         for h in handles:
             h.remove()
-        for param, data in saved:
+        for param, data in reversed(saved):  # a tensor met twice gets its first (true) data back last
             param.data = data
 
 

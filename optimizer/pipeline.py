@@ -105,8 +105,8 @@ def check_moe(cfg: OptimizeConfig, adapter) -> None:
         raise UserError(f"{adapter.family}: MoE models keep the same number of experts in every layer "
                         f"(a stock config); use --layout uniform")
     if cfg.refit is not None and cfg.refit.asked:
-        raise UserError("--refit refits the kept columns of pruned heads and channels; MoE models lose whole "
-                        "experts, so there is nothing to refit: drop --refit")
+        raise UserError("--refit refits the kept columns of pruned heads and channels of dense blocks; MoE "
+                        "packages (whole experts removed) are not refit: drop --refit")
     if cfg.budget != "params":
         raise UserError("--budget latency applies to heads and channels; for MoE models --retain is the share "
                         "of routed-expert parameters kept: drop --budget")

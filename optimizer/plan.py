@@ -142,11 +142,12 @@ def choose(target: Profile, method: str, engine: str = "vllm", engine_version: s
 
 
 def for_experts(plan: Plan, method: str, family: str) -> None:
-    """An MoE model: whole routed experts go (moe_surgery), the same number in every MoE layer;
+    """An MoE model: whole routed experts go (moe_surgery), the same number in every MoE layer,
+    then, below top-k / E, expert channels;
     `activation` / `structured` / `auto` take the one-shot REAP-style importance, `ddp` DDP's
     expert gates. Semi-structured methods are not written for fused 3-D expert tensors."""
     if plan.sparsity and method != "auto":
-        raise UserError(f"{family}: MoE models are pruned by removing whole experts; --method {method} "
+        raise UserError(f"{family}: MoE models are pruned by removing whole experts (and expert channels); --method {method} "
                         f"(semi-structured) is not written for them: use --method structured or ddp")
     plan.sparsity, plan.sparse_kernel = None, False
     plan.method = "ddp" if method == "ddp" else "reap"

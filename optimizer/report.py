@@ -135,9 +135,10 @@ def render_experts(m: dict) -> str:
         f"- experts: {e['kept']} of {e['dense']} kept per MoE layer, top-{e['top_k']} routing unchanged"
         + (f", each narrowed to {e['width_kept']} of {e['width_dense']} channels"
            if e.get("width_kept", e.get("width_dense")) != e.get("width_dense") else "")
-        + f"; --retain {meth['retain_requested']:.2f} is the share of routed-expert parameters kept, whole "
-        f"experts first down to top-k, then channels (achieved {meth['retain_achieved']:.3f}); attention, shared "
-        f"experts and dense layers are whole",
+        + (f"; --retain {meth['retain_requested']:.2f} is the share of routed-expert parameters kept, whole "
+           f"experts first down to top-k, then channels" if "width_dense" in e else
+           f"; --retain {meth['retain_requested']:.2f} is the share of routed experts kept")
+        + f" (achieved {meth['retain_achieved']:.3f}); attention, shared experts and dense layers are whole",
         f"- parameters: {size['params_dense']:,} → {size['params_pruned']:,}; active per token "
         f"{size['active_params_dense']:,} → {size['active_params_pruned']:,} (ideal speedup from bytes once a "
         f"batch reads every expert: {size['ideal_ratio']:.2f}x)",

@@ -148,7 +148,7 @@ def test_the_experts_roofline():
 @pytest.mark.parametrize("args, message", [
     (["--format", "onnx"], "MoE packages are vLLM packages"),
     (["--method", "ddp", "--layout", "per-layer"], "same number of experts in every layer"),
-    (["--refit"], "nothing to refit"),
+    (["--refit"], "are not refit"),
     (["--quant", "int8"], "MoE packages are not quantized yet"),
     (["--method", "sparsegpt"], "not written for them"),
     (["--retain", "0.01"], "leaves less than 8 of 24 channels in each of the 2 experts"),
@@ -189,10 +189,11 @@ def test_channel_importance_removes_the_channels_that_add_least():
     assert (importance.energy[:, [1, 3, 5]] == 0).all() and (importance.energy[:, [0, 2, 4]] > 0).all()
 
 
-def test_optimize_narrows_the_experts_when_retain_is_below_top_k(moe_dirs, text_file, tmp_path):
+@pytest.mark.parametrize("method", [["--method", "activation"], ["--method", "ddp", "--steps", "4"]])
+def test_optimize_narrows_the_experts_when_retain_is_below_top_k(moe_dirs, text_file, tmp_path, method):
     out = tmp_path / "pkg"
     r = _optimize(moe_dirs["qwen3_moe"], out, "--retain", "0.3", "--calib", str(text_file), "--eval", str(text_file),
-                  "--no-heal")
+                  "--no-heal", *method)
     assert r.exit_code == 0, r.output
     assert "16 of 24 channels kept in each kept expert" in r.output
     m = json.loads((out / "manifest.json").read_text())
@@ -200,6 +201,9 @@ def test_optimize_narrows_the_experts_when_retain_is_below_top_k(moe_dirs, text_
     assert e["kept"] == TOP_K and e["width_kept"] == 16 and e["width_dense"] == 24
     assert m["method"]["retain_achieved"] == pytest.approx(2 * 16 / (6 * 24))
     assert m["method"]["budget"] == "routed experts, then expert channels"
+    assert len(e["channels"]) == len(e["moe_layers"]) and all(len(ch) == 16 for per in e["channels"] for ch in per)
+    if "ddp" in method:  # the gates aim at the whole-expert share (top-k of 6), the channels take the rest
+        assert m["method"]["ddp"]["retain"] == pytest.approx(TOP_K / E)
     assert m["checks"]["masked_vs_pruned_max_abs_logit_diff"] < 1e-4
     assert m["size"]["active_params_pruned"] < m["size"]["active_params_dense"]
     assert m["plan"]["prediction"]["decode_speedup_b1"] > 1.0  # narrower experts: a token reads less

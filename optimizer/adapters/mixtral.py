@@ -109,7 +109,8 @@ class MoEAdapter(DecoderAdapter):
     # --- the dense head/channel path does not cover MoE blocks yet ------------------------
     def _unsupported(self, what: str):
         raise UserError(f"{self.family}: {what} is not supported for MoE models yet; "
-                        f"MoE models are pruned by removing whole experts (optimizer.moe_surgery)")
+                        f"MoE models are pruned by removing whole experts and narrowing the kept ones "
+                        f"(optimizer.moe_surgery)")
 
     def mlp(self, block):
         self._unsupported("MLP channel pruning")

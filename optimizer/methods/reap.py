@@ -108,7 +108,7 @@ class ChannelImportance(Method):
             for e in index.unique().tolist():
                 token, slot = torch.where(index == e)
                 h = expert_inner(experts, hidden[token], e).float() * weights[token, slot].float()[:, None]
-                self.energy[layer, e] += h.square().sum(0).double()
+                self.energy[layer, e] += h.square().sum(0).double().cpu()
         return hook
 
     # --- observe --------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ class ChannelImportance(Method):
 
     def scores(self) -> torch.Tensor:
         """[MoE layers, E, I]: ‖down_e[:, c]‖² · Σ_t (g_e(x_t) h_t,c)² over the tokens routed to e."""
-        down = torch.stack([p.experts.down_proj.detach().double().square().sum(1) for p in self.parts])
+        down = torch.stack([p.experts.down_proj.detach().double().square().sum(1).cpu() for p in self.parts])
         return self.energy * down
 
     # --- decide ---------------------------------------------------------------------------------
