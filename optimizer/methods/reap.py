@@ -44,40 +44,49 @@ def expert_outputs(experts, hidden: torch.Tensor, expert: int) -> torch.Tensor:
     return F.linear(expert_inner(experts, hidden, expert), experts.down_proj[expert])
 
 
-def _routed(args, kwargs):
-    """(hidden [T, H], top-k index [T, k], top-k weights [T, k]) as the experts module gets them."""
-    hidden = args[0] if args else kwargs["hidden_states"]
-    index = args[1] if len(args) > 1 else kwargs["top_k_index"]
-    weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]
-    return hidden, index, weights
+class _RoutedStatistics(Method):
+    """Statistics of the tokens the router hands each routed expert, from a forward pre-hook on
+    every fused experts module: `add(layer, experts, e, hidden, weights)` gets expert e's tokens
+    [T_e, H] and their router weights [T_e]. Observing is a plain forward."""
 
-
-class ExpertImportance(Method):
     def __init__(self, model, adapter):
         self.model, self.adapter = model, as_moe_adapter(adapter)
         self.parts = moe_parts(model, self.adapter)
-        self.n = self.adapter.num_experts(model.config)
-        self.k = self.adapter.experts_per_token(model.config)
-        self.weighted_norm = torch.zeros(len(self.parts), self.n, dtype=torch.float64)
-        self.tokens = torch.zeros(len(self.parts), self.n, dtype=torch.long)
         self._handles = [p.experts.register_forward_pre_hook(self._hook(i), with_kwargs=True)
                          for i, p in enumerate(self.parts)]
 
     def _hook(self, layer: int):
         def hook(experts, args, kwargs):
-            hidden, index, weights = _routed(args, kwargs)
+            hidden = args[0] if args else kwargs["hidden_states"]
+            index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]
             for e in index.unique().tolist():
                 token, slot = torch.where(index == e)
-                norm = expert_outputs(experts, hidden[token], e).float().norm(dim=-1)
-                self.weighted_norm[layer, e] += (weights[token, slot].float() * norm).sum().double()
-                self.tokens[layer, e] += len(token)
+                self.add(layer, experts, e, hidden[token], weights[token, slot].float())
         return hook
+
+    def add(self, layer: int, experts, e: int, hidden: torch.Tensor, weights: torch.Tensor) -> None:
+        raise NotImplementedError
 
     # --- observe --------------------------------------------------------------------------------
     @torch.inference_mode()
     def observe(self, input_ids: torch.Tensor) -> dict:
         self.model(input_ids)
         return {}
+
+
+class ExpertImportance(_RoutedStatistics):
+    def __init__(self, model, adapter):
+        super().__init__(model, adapter)
+        self.n = self.adapter.num_experts(model.config)
+        self.k = self.adapter.experts_per_token(model.config)
+        self.weighted_norm = torch.zeros(len(self.parts), self.n, dtype=torch.float64)
+        self.tokens = torch.zeros(len(self.parts), self.n, dtype=torch.long)
+
+    def add(self, layer, experts, e, hidden, weights):
+        norm = expert_outputs(experts, hidden, e).float().norm(dim=-1)
+        self.weighted_norm[layer, e] += (weights * norm).sum().double().item()
+        self.tokens[layer, e] += len(hidden)
 
     def scores(self) -> torch.Tensor:
         """[MoE layers, E]: mean router-weighted output norm over the tokens routed to each expert."""
@@ -91,31 +100,17 @@ class ExpertImportance(Method):
         return ExpertMasks(keep, None)
 
 
-class ChannelImportance(Method):
+class ChannelImportance(_RoutedStatistics):
     """Per MoE layer and routed expert, the output energy of each intermediate channel."""
 
     def __init__(self, model, adapter):
-        self.model, self.adapter = model, as_moe_adapter(adapter)
-        self.parts = moe_parts(model, self.adapter)
+        super().__init__(model, adapter)
         n, width = self.adapter.num_experts(model.config), self.adapter.expert_intermediate(model.config)
         self.energy = torch.zeros(len(self.parts), n, width, dtype=torch.float64)
-        self._handles = [p.experts.register_forward_pre_hook(self._hook(i), with_kwargs=True)
-                         for i, p in enumerate(self.parts)]
 
-    def _hook(self, layer: int):
-        def hook(experts, args, kwargs):
-            hidden, index, weights = _routed(args, kwargs)
-            for e in index.unique().tolist():
-                token, slot = torch.where(index == e)
-                h = expert_inner(experts, hidden[token], e).float() * weights[token, slot].float()[:, None]
-                self.energy[layer, e] += h.square().sum(0).double().cpu()
-        return hook
-
-    # --- observe --------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def observe(self, input_ids: torch.Tensor) -> dict:
-        self.model(input_ids)
-        return {}
+    def add(self, layer, experts, e, hidden, weights):
+        h = expert_inner(experts, hidden, e).float() * weights[:, None]
+        self.energy[layer, e] += h.square().sum(0).double().cpu()
 
     def scores(self) -> torch.Tensor:
         """[MoE layers, E, I]: ‖down_e[:, c]‖² · Σ_t (g_e(x_t) h_t,c)² over the tokens routed to e."""
