@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/moe.py                                   # Mixtral and Qwen3-MoE, ~100M each
     .venv/bin/python bench/moe.py --families mixtral --rounds 1     # quick look
+    .venv/bin/python bench/moe.py --families mixtral --retain 0.15  # below top-k / E: 2 experts, narrowed
 
 No real MoE model is offline here, so each family is a *random* model of about 100M parameters
 (seeded; transformers' own initialisation, so the router is near uniform, as the roofline
@@ -83,7 +84,8 @@ def main() -> None:
         m = res["manifest"]
         e, p, s = m["method"]["experts"], m["plan"]["prediction"], m["size"]
         row = {"family": family, "package": str(pkg), "optimize_wall_s": round(time.time() - t0, 1),
-               "experts": {"dense": e["dense"], "kept": e["kept"], "top_k": e["top_k"], "moe_layers": len(e["moe_layers"])},
+               "experts": {"dense": e["dense"], "kept": e["kept"], "top_k": e["top_k"], "moe_layers": len(e["moe_layers"]),
+                           "width_dense": e.get("width_dense", EXPERT_WIDTH), "width_kept": e.get("width_kept", EXPERT_WIDTH)},
                "params": {"dense": s["params_dense"], "pruned": s["params_pruned"]},
                "active_params": {"dense": s["active_params_dense"], "pruned": s["active_params_pruned"]},
                "masked_vs_pruned_max_abs_logit_diff": m["checks"]["masked_vs_pruned_max_abs_logit_diff"],
@@ -115,9 +117,13 @@ def _markdown(results: dict) -> str:
     for r in results["models"]:
         sv, rf = r.get("serving", {}), r["roofline"]
         c1, c16 = sv.get("1", {}), sv.get("16", {})
-        rows.append([r["family"], f"{r['experts']['dense']} → {r['experts']['kept']}",
+        e = r["experts"]
+        narrowed = e.get("width_kept", EXPERT_WIDTH) != e.get("width_dense", EXPERT_WIDTH)
+        rows.append([r["family"], f"{e['dense']} → {e['kept']}" + (f", width {e['width_dense']} → {e['width_kept']}"
+                                                                    if narrowed else ""),
                      f"{r['params']['dense'] / 1e6:.1f}M → {r['params']['pruned'] / 1e6:.1f}M",
-                     f"{r['active_params']['dense'] / 1e6:.1f}M", f"{r['masked_vs_pruned_max_abs_logit_diff']:.1e}",
+                     f"{r['active_params']['dense'] / 1e6:.1f}M" + (f" → {r['active_params']['pruned'] / 1e6:.1f}M"
+                                                                    if narrowed else ""), f"{r['masked_vs_pruned_max_abs_logit_diff']:.1e}",
                      f"{rf['decode_speedup_b1']:.2f}x", f(c1.get("ratio")), f"{rf['decode_speedup_b16']:.2f}x",
                      f(c16.get("ratio")), f"{r['ideal_ratio']:.2f}x"])
     lines.append(benchlib.markdown_table(
