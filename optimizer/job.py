@@ -247,6 +247,7 @@ class Job:
         main = distributed.is_main()  # the one process that writes checkpoints and shows progress
         bar = tqdm(total=steps, initial=method.step_count, desc=desc, unit="step", disable=not main)
         while method.step_count < steps:
+            stop_if_terminated()
             stats = method.step(chunks[batch_indices(len(chunks), batch, method.step_count, self.cfg.seed)])
             bar.set_postfix(**postfix(stats))
             bar.update(1)
@@ -385,10 +386,17 @@ def staged(out: Path):
 
     SIGTERM (what `docker stop`, Kubernetes and batch schedulers send) raises `Terminated`
     while the job runs, so the same cleanup runs as for Ctrl-C or a crash."""
-    tmp = prepare_output(out)
+    global _termination_requested
+    _termination_requested = False
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        tmp = prepare_output(out)  # after the handler: a SIGTERM from the moment it exists cleans it up
+    except BaseException:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        raise
     try:
         yield tmp
     except BaseException:
@@ -399,5 +407,18 @@ def staged(out: Path):
             signal.signal(signal.SIGTERM, previous)
 
 
+_termination_requested = False
+
+
 def _terminated(signum, frame):
+    # Python runs the handler at the next bytecode of the main thread, which can be inside a
+    # finaliser or a callback that swallows exceptions; the flag lets the long loops re-raise it.
+    global _termination_requested
+    _termination_requested = True
     raise Terminated()
+
+
+def stop_if_terminated() -> None:
+    """Re-raise a SIGTERM whose `Terminated` something swallowed; long loops call it each step."""
+    if _termination_requested:
+        raise Terminated()

@@ -209,6 +209,25 @@ def test_sigterm_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file
     assert [p.name for p in tmp_path.iterdir() if p.name != "cache"] == []
 
 
+def test_a_sigterm_something_swallowed_still_stops_the_job(tmp_path):
+    """The handler's exception can land in a finaliser that ignores it; the training loop's check
+    raises it again, and the temporary directory goes as for any other end."""
+    import pytest
+
+    from optimizer import job
+    from optimizer.errors import Terminated
+    with pytest.raises(Terminated):
+        with job.staged(tmp_path / "pkg"):
+            try:
+                job._terminated(15, None)
+            except Terminated:
+                pass  # e.g. raised inside a __del__
+            job.stop_if_terminated()
+    assert list(tmp_path.iterdir()) == []
+    with job.staged(tmp_path / "next"):
+        job.stop_if_terminated()  # a new job starts without the old request
+
+
 def test_a_killed_runs_temporary_directory_is_swept_at_the_next_start(tmp_path):
     """SIGKILL cannot be trapped: the next run beside it removes what the dead process left."""
     import subprocess
