@@ -7,6 +7,7 @@ with --default-job of the product's default job (refit, heal, the target's preci
                                                           # Gemma-3-270M (issue 27's figures)
 
 Protocol: SmolLM2-135M (embedded; --model another HF directory or GGUF), target a100, calibration on WikiText-2 validation
+(--default-job: the built-in corpus, as the product without --calib, so heal never trains on WikiText)
 (16 x 2048 tokens), perplexity on the whole WikiText-2 raw test split in 2048-token
 windows; then `bench PACKAGE --baseline embedded` at concurrency 1 and 16, dense and pruned
 servers alternating for --rounds rounds, best-of-N reported. Writes spine.json and spine.md
@@ -45,8 +46,8 @@ def main() -> None:
     ap.add_argument("--eval-windows", default="all")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for calibration and perplexity")
     ap.add_argument("--default-job", action="store_true",
-                    help="the product's default job at each level (refit, heal, the target's precision) instead "
-                         "of the one-shot method alone")
+                    help="the product's default job at each level (refit, heal, the target's precision, calibrated "
+                         "and healed on the built-in corpus: never on WikiText) instead of the one-shot method alone")
     ap.add_argument("--skip-serve", action="store_true", help="perplexity only")
     ap.add_argument("--out", help="run folder (default: a new bench/results/spine/<date>-<commit>)")
     args = ap.parse_args()
@@ -60,7 +61,8 @@ def main() -> None:
     from optimizer import load
     source = load.resolve(args.model)
     results = {"protocol": {"model": source.description, "target": args.target,
-                            "calib": str(calib), "eval": str(test), "seq_len": 2048, "calib_windows": 16,
+                            "calib": "the built-in corpus (the product's default; heal trains on it)" if args.default_job
+                            else str(calib), "eval": str(test), "seq_len": 2048, "calib_windows": 16,
                             "eval_windows": args.eval_windows, "torch_threads": args.threads,
                             "rounds": args.rounds, "concurrency": args.concurrency, "default_job": args.default_job,
                             **benchlib.run_info()},
@@ -72,7 +74,8 @@ def main() -> None:
         shutil.rmtree(pkg, ignore_errors=True)
         t0 = time.time()
         res = optimize(OptimizeConfig(model=args.model, target=args.target, method="activation", retain=retain, out=str(pkg),
-                                      data=DataConfig(calib=str(calib), eval=str(test), calib_windows=16, seq_len=2048,
+                                      data=DataConfig(calib=None if args.default_job else str(calib), eval=str(test),
+                                                      calib_windows=16, seq_len=2048,
                                                       eval_windows=None if args.eval_windows == "all"
                                                       else int(args.eval_windows)),
                                       threads=args.threads,
