@@ -187,15 +187,16 @@ def roofline_experts(target: Profile, adapter, config, n_keep: int, params: int,
 
     def times(experts: int, channels: int):
         ffn = 3 * config.hidden_size * channels   # one routed expert's weights
-        active = always + layers * k * ffn
-        weight_bytes = (always + layers * experts * ffn) * bytes_per_value
+        always_here = always - layers * (n - experts) * config.hidden_size  # the router keeps a row per expert
+        active = always_here + layers * k * ffn
+        weight_bytes = (always_here + layers * experts * ffn) * bytes_per_value
         L = prompt_tokens
-        read_prefill = (always + layers * experts_touched(experts, k, L) * ffn) * bytes_per_value
+        read_prefill = (always_here + layers * experts_touched(experts, k, L) * ffn) * bytes_per_value
         prefill = max((2 * active * L + 2 * L * L * attn_width) / peak, read_prefill / bw)
 
         def decode(batch):
             flops = batch * (2 * active + 4 * context_tokens * attn_width) / peak
-            moved = ((always + layers * experts_touched(experts, k, batch) * ffn) * bytes_per_value
+            moved = ((always_here + layers * experts_touched(experts, k, batch) * ffn) * bytes_per_value
                      + batch * context_tokens * kv * bytes_per_value)
             return max(flops, moved / bw)
         return prefill, decode(1), decode(16), weight_bytes, active
