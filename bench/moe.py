@@ -119,11 +119,12 @@ def _markdown(results: dict) -> str:
         c1, c16 = sv.get("1", {}), sv.get("16", {})
         e = r["experts"]
         narrowed = e.get("width_kept", EXPERT_WIDTH) != e.get("width_dense", EXPERT_WIDTH)
+        active = r["active_params"]
         rows.append([r["family"], f"{e['dense']} → {e['kept']}" + (f", width {e['width_dense']} → {e['width_kept']}"
                                                                     if narrowed else ""),
                      f"{r['params']['dense'] / 1e6:.1f}M → {r['params']['pruned'] / 1e6:.1f}M",
-                     f"{r['active_params']['dense'] / 1e6:.1f}M" + (f" → {r['active_params']['pruned'] / 1e6:.1f}M"
-                                                                    if narrowed else ""), f"{r['masked_vs_pruned_max_abs_logit_diff']:.1e}",
+                     f"{active['dense'] / 1e6:.1f}M" + (f" → {active['pruned'] / 1e6:.1f}M"
+                                                        if f"{active['pruned'] / 1e6:.1f}" != f"{active['dense'] / 1e6:.1f}" else ""), f"{r['masked_vs_pruned_max_abs_logit_diff']:.1e}",
                      f"{rf['decode_speedup_b1']:.2f}x", f(c1.get("ratio")), f"{rf['decode_speedup_b16']:.2f}x",
                      f(c16.get("ratio")), f"{r['ideal_ratio']:.2f}x"])
     lines.append(benchlib.markdown_table(

@@ -7,9 +7,9 @@ with --default-job of the product's default job (refit, heal, the target's preci
                                                           # Gemma-3-270M (issue 27's figures)
 
 Protocol: SmolLM2-135M (embedded; --model another HF directory or GGUF), target a100, calibration on WikiText-2 validation
-(--default-job: the built-in corpus, as the product without --calib, so heal never trains on WikiText)
-(16 x 2048 tokens), perplexity on the whole WikiText-2 raw test split in 2048-token
-windows; then `bench PACKAGE --baseline embedded` at concurrency 1 and 16, dense and pruned
+(16 x 2048 tokens; --default-job: the built-in corpus, as the product without --calib, so heal never trains on
+WikiText: its figures and the one-shot ones differ in calibration text too), perplexity on the whole WikiText-2 raw
+test split in 2048-token windows; then `bench PACKAGE --baseline embedded` at concurrency 1 and 16, dense and pruned
 servers alternating for --rounds rounds, best-of-N reported. Writes spine.json and spine.md
 (per-package bench.json/md/png beside them) into a new run folder
 bench/results/spine/<date>-<commit>/ (or --out, which must not hold a spine.json yet).
@@ -61,8 +61,7 @@ def main() -> None:
     from optimizer import load
     source = load.resolve(args.model)
     results = {"protocol": {"model": source.description, "target": args.target,
-                            "calib": "the built-in corpus (the product's default; heal trains on it)" if args.default_job
-                            else str(calib), "eval": str(test), "seq_len": 2048, "calib_windows": 16,
+                            "calib": None if args.default_job else str(calib), "eval": str(test), "seq_len": 2048, "calib_windows": 16,
                             "eval_windows": args.eval_windows, "torch_threads": args.threads,
                             "rounds": args.rounds, "concurrency": args.concurrency, "default_job": args.default_job,
                             **benchlib.run_info()},
@@ -83,6 +82,8 @@ def main() -> None:
                                          dict(heal=HealSettings(tokens=0), quant="none", refit=None))))
         m = res["manifest"]
         size = m["size"]
+        if args.default_job:  # what the product found without --calib (the built-in corpus, else its own text)
+            results["protocol"]["calib"] = m["method"]["calibration"]["source"]
         results["levels"].append({
             "retain": retain, "package": str(pkg), "optimize_wall_s": round(time.time() - t0, 1),
             "retain_achieved": m["method"]["retain_achieved"], "shape": m["method"]["shape"],
@@ -112,7 +113,8 @@ def _markdown(results: dict) -> str:
     job = ("the product's default job (refit, heal, the target's precision)" if p.get("default_job")
            else "the one-shot method alone (no refit, no heal, 16-bit)")
     lines = [f"# Spine figures: {p['model']}, target {p['target']}: {job}", "",
-             f"Calibration {Path(p['calib']).name} (16 x 2048 tokens); perplexity on {Path(p['eval']).name} "
+             f"Calibration: {p['calib'] if p.get('default_job') else Path(p['calib']).name} (16 x 2048 tokens); "
+             f"perplexity on {Path(p['eval']).name} "
              f"({p['eval_windows']} windows of 2048); vLLM best of {p['rounds']} alternating rounds; "
              f"torch threads {p['torch_threads']}.", ""]
     f = lambda x, fmt="{:.2f}": fmt.format(x) if x is not None else "—"  # noqa: E731

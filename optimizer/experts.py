@@ -17,8 +17,8 @@ a budget below k/E then narrows every kept expert to floor(--retain · E · I / 
 (`moe_surgery.expert_width_to_keep`; channels ranked by `methods/reap.ChannelImportance` with
 the removed experts already masked). Attention heads, shared experts, dense layers and the
 routers' kept rows stay whole: attention is a few percent of an MoE model's parameters. The
-report gives the split, the parameters, the active parameters per token (unchanged unless the
-experts are narrowed) and the roofline's account of what the removal saves.
+report gives the split, the parameters, the active parameters per token (less only the router's removed
+rows, unless the experts are narrowed) and the roofline's account of what the removal saves.
 """
 
 from __future__ import annotations

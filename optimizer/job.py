@@ -143,6 +143,7 @@ class Job:
             model = quantize(self, model)
         quality = self.quality(model)
         manifest = self.manifest(kind.describe(self, decision, model), quality)
+        stop_if_terminated()  # a SIGTERM something swallowed: no package goes into place
         kind.export(self, model, manifest)
         self.log(f"package: {self.out.resolve()}  (serve it: serve {self.out})")
         return {"plan": self.plan, "manifest": manifest, "out": self.out}
@@ -258,6 +259,7 @@ class Job:
                 self.log(f"{desc}: stopped by the time cap after {method.step_count} of {steps} steps")
                 break
         bar.close()
+        stop_if_terminated()
         return {"final": stats, "resumed_from_step": start_step, "wall_s": round(time.time() - started, 1),
                 "checkpoint": str(ckpt)}
 
@@ -387,24 +389,21 @@ def staged(out: Path):
     SIGTERM (what `docker stop`, Kubernetes and batch schedulers send) raises `Terminated`
     while the job runs, so the same cleanup runs as for Ctrl-C or a crash."""
     global _termination_requested
-    _termination_requested = False
-    previous = None
+    previous, tmp = None, None
     if threading.current_thread() is threading.main_thread():
+        _termination_requested = False
         previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        tmp = prepare_output(out)  # after the handler: a SIGTERM from the moment it exists cleans it up
-    except BaseException:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        raise
-    try:
+        tmp = prepare_output(out)  # the handler first: SIGTERM from here on raises Terminated
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise  # (a SIGTERM inside prepare_output can leave its directory: the next start sweeps it)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+            _termination_requested = False
 
 
 _termination_requested = False
@@ -419,6 +418,7 @@ def _terminated(signum, frame):
 
 
 def stop_if_terminated() -> None:
-    """Re-raise a SIGTERM whose `Terminated` something swallowed; long loops call it each step."""
+    """Re-raise a SIGTERM whose `Terminated` something swallowed: `Job.train` calls it each step and
+    at its end, `Job.run` before the package goes into place."""
     if _termination_requested:
         raise Terminated()

@@ -170,7 +170,7 @@ def roofline_experts(target: Profile, adapter, config, n_keep: int, params: int,
     """The roofline of an MoE package with `n_keep` of E routed experts per MoE layer (each
     `width` channels wide; default the dense width), against the dense MoE (`params`: its
     parameter count). Every token still runs top-k experts, so removing experts leaves the FLOPs
-    alone; what falls is the bytes a decode step streams, the experts the batch touches:
+    alone but for the router's removed rows; what falls is the bytes a decode step streams, the experts the batch touches:
     E·(1 − (1 − k/E)^B) a layer with routing assumed uniform. At batch 1 that is k either way
     (no gain) unless the experts are narrowed; at a large batch every expert is read and the
     ratio tends to the weight-bytes ratio."""

@@ -210,22 +210,43 @@ def test_sigterm_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file
 
 
 def test_a_sigterm_something_swallowed_still_stops_the_job(tmp_path):
-    """The handler's exception can land in a finaliser that ignores it; the training loop's check
-    raises it again, and the temporary directory goes as for any other end."""
-    import pytest
+    """The handler's exception can land in a finaliser that ignores it; the training loop raises it
+    again at its next step, and the temporary directory goes as for any other end."""
+    from types import SimpleNamespace
+
+    import torch
 
     from optimizer import job
     from optimizer.errors import Terminated
+
+    class SwallowsTheSignal:  # a method whose first step receives SIGTERM inside a finaliser
+        step_count = 0
+
+        def load(self, ckpt):
+            return False
+
+        def save(self, ckpt):
+            pass
+
+        def step(self, batch):
+            if self.step_count == 0:
+                try:
+                    job._terminated(15, None)
+                except Terminated:
+                    pass  # "Exception ignored in: <function __del__ ...>"
+            self.step_count += 1
+            return {}
+
+    fake_job = SimpleNamespace(cfg=SimpleNamespace(resume=False, seed=0), log=print)
+    method = SwallowsTheSignal()
     with pytest.raises(Terminated):
         with job.staged(tmp_path / "pkg"):
-            try:
-                job._terminated(15, None)
-            except Terminated:
-                pass  # e.g. raised inside a __del__
-            job.stop_if_terminated()
+            job.Job.train(fake_job, method, torch.zeros(4, 8, dtype=torch.long), steps=100, batch=1,
+                          ckpt=tmp_path / "ckpt", desc="t", postfix=lambda stats: {})
+    assert method.step_count == 1  # stopped at the second step, not after 100
     assert list(tmp_path.iterdir()) == []
     with job.staged(tmp_path / "next"):
-        job.stop_if_terminated()  # a new job starts without the old request
+        job.stop_if_terminated()  # the next job starts without the old request
 
 
 def test_a_killed_runs_temporary_directory_is_swept_at_the_next_start(tmp_path):

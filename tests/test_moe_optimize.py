@@ -139,11 +139,11 @@ def test_the_experts_roofline():
     assert same["decode_speedup_b16"] == pytest.approx(1.0) and same["weight_bytes_ratio"] == pytest.approx(1.0)
     p = planner.roofline_experts(h100, adapter, config, 3, params)
     assert p["decode_speedup_b1"] == pytest.approx(1.0, rel=1e-2)  # one token reads k experts either way
-    assert p["experts"]["active_params_pruned"] == p["experts"]["active_params"] - 3 * len(
+    assert p["experts"]["active_params_pruned"] == p["experts"]["active_params"] - (E - 3) * len(
         adapter.moe_layers(config)) * config.hidden_size  # less only the router's removed rows
     assert 1.0 < p["decode_speedup_b16"] <= p["weight_bytes_ratio"] + 1e-9
     assert p["experts"]["touched_b16"][1] == pytest.approx(planner.experts_touched(3, TOP_K, 16))
-    removed = 3 * len(adapter.moe_layers(config)) * (3 * 512 + 1) * config.hidden_size  # the experts, their router rows
+    removed = (E - 3) * len(adapter.moe_layers(config)) * (3 * 512 + 1) * config.hidden_size  # the experts, their router rows
     lookup = config.vocab_size * config.hidden_size  # untied: the input embedding is looked up, not streamed
     assert p["weight_bytes_ratio"] == pytest.approx((params - lookup) / (params - lookup - removed), rel=1e-9)
 
