@@ -194,6 +194,14 @@ def _sum_across_ranks(params: list[torch.Tensor], kd: float) -> float:
     return float(flat[-1])
 
 
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits `model` gives for its last hidden states: the head, then the final softcapping
+    some configs add after it (Gemma 2: cap · tanh(logits / cap))."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def kd_loss_backward(student, teacher, input_ids: torch.Tensor, chunk: int, dtype: str = "float32",
                      scale: float = 1.0) -> float:
     """KL(teacher ‖ student) per token of `input_ids` [1, T], backpropagated (times `scale`) into
@@ -204,13 +212,12 @@ def kd_loss_backward(student, teacher, input_ids: torch.Tensor, chunk: int, dtyp
     with autocast:
         s_hidden = student.get_decoder()(input_ids).last_hidden_state
     h = s_hidden.detach().requires_grad_(True)
-    s_head, t_head = student.get_output_embeddings(), teacher.get_output_embeddings()
     n, total = input_ids.numel(), 0.0
     for i in range(0, input_ids.shape[1], chunk):
         with torch.no_grad(), autocast:
-            t_logp = F.log_softmax(t_head(t_hidden[:, i:i + chunk]).float(), dim=-1)
+            t_logp = F.log_softmax(head_logits(teacher, t_hidden[:, i:i + chunk]).float(), dim=-1)
         with autocast:
-            s_logits = s_head(h[:, i:i + chunk])
+            s_logits = head_logits(student, h[:, i:i + chunk])
         s_logp = F.log_softmax(s_logits.float(), dim=-1)
         kl = F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="sum") / n
         (kl * scale).backward()
@@ -227,8 +234,8 @@ def kd_eval(student, teacher, windows: torch.Tensor, chunk: int = 256) -> float:
         t_hidden = teacher.get_decoder()(w[None]).last_hidden_state
         s_hidden = student.get_decoder()(w[None]).last_hidden_state
         for i in range(0, w.numel(), chunk):
-            t_logp = F.log_softmax(teacher.get_output_embeddings()(t_hidden[:, i:i + chunk]).float(), -1)
-            s_logp = F.log_softmax(student.get_output_embeddings()(s_hidden[:, i:i + chunk]).float(), -1)
+            t_logp = F.log_softmax(head_logits(teacher, t_hidden[:, i:i + chunk]).float(), -1)
+            s_logp = F.log_softmax(head_logits(student, s_hidden[:, i:i + chunk]).float(), -1)
             total += F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="sum").item()
         n += w.numel()
     return total / n
