@@ -350,6 +350,9 @@ def _heal(job, model, device: torch.device):
     # can differ between machines and thread counts, and a checkpoint must be of this very data
     data_digest = hashlib.sha256(chunks.numpy().tobytes()).hexdigest()[:16]
     ckpt = job.checkpoint("heal", [vars(hcfg), seq, batch, source, distil.start_digest, data_digest])
+    # the unhealed weights, on the CPU (the size of the student's blocks): a heal that makes the
+    # held-out KL worse is not shipped
+    unhealed = {n: p.detach().to("cpu", copy=True) for n, p in distil.params.items()}
     run = job.train(distil, chunks, steps, batch, ckpt, "healing",
                     lambda st: {"kd": f"{st['kd']:.3f}", "lr": f"{st['lr']:.1e}"}, max_time_s=s.time_s)
     distil.close()
@@ -359,10 +362,19 @@ def _heal(job, model, device: torch.device):
         job.log(f"healed on {world} processes, {batch // world} sequence(s) each a step")
     job.log(f"healed: {done} steps, {done * batch * seq:,} tokens of {source} in {run['wall_s']:.0f} s; "
             f"held-out KL to the dense model {before['held_out_kd']:.4f} → {after['held_out_kd']:.4f}")
+    kept_unhealed = distributed.all_agree(after["held_out_kd"] > before["held_out_kd"])  # every rank alike
+    if kept_unhealed:
+        with torch.no_grad():
+            for n, p in distil.params.items():
+                p.copy_(unhealed[n])
+        job.log("healing made the held-out KL worse: the package keeps the unhealed weights (a lower --heal-lr "
+                "or other --heal-data may heal this model)")
+    del unhealed
     job.heal_detail = {
         "data": source, "tokens_requested": s.tokens, "tokens": done * batch * seq, "steps": done,
         "steps_planned": steps, "seq_len": seq, "batch": batch, "processes": world, "time_cap_s": s.time_s,
-        "stopped_by_time": done < steps, "config": vars(hcfg), "zeros_held": len(keep or {}),
+        "stopped_by_time": done < steps, "kept_unhealed": kept_unhealed, "config": vars(hcfg),
+        "zeros_held": len(keep or {}),
         "before": before, "after": after, "memory_bytes": distil.state_bytes(),
         "peak_rss_gib": round(peak_rss_gib(), 2), "device": str(device),
         **({"peak_device_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)} if device.type == "cuda" else {}),

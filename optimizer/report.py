@@ -58,7 +58,10 @@ def _heal_lines(m: dict) -> list[str]:
              + (", stopped by the time cap" if h["stopped_by_time"] else "") + ").",
              f"KL to the dense model on the held-out calibration window: {b['held_out_kd']:.4f} before, "
              f"{a['held_out_kd']:.4f} after."]
-    if q and "perplexity" in b:
+    if h.get("kept_unhealed"):
+        lines.append("**Healing made that KL worse, so the package keeps the unhealed weights** (try a lower "
+                     "`--heal-lr` or other `--heal-data`).")
+    if q and "perplexity" in b and not h.get("kept_unhealed"):
         lines.append(f"Perplexity on the evaluation text: {b['perplexity']:.3f} before healing, "
                      f"{q['pruned']:.3f} after (dense {q['dense']:.3f}).")
     if h.get("zeros_held"):

@@ -192,6 +192,26 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
     assert "AdamW at 0.0003" in (out / "report.md").read_text()
 
 
+def test_a_heal_that_makes_the_held_out_kl_worse_is_not_shipped(tiny_dirs, text_file, tmp_path):
+    """A learning rate far too high wrecks the student: the package keeps the unhealed weights and says so."""
+    from optimizer.cli import optimize
+    other = tmp_path / "heal.txt"
+    other.write_text(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)))
+    out = tmp_path / "pkg"
+    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
+                                      "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
+                                      "--heal-data", str(other), "--heal-tokens", "1024", "--heal-lr", "1.0", "--heal-chat", "0", "--seq-len", "128",
+                                      "--calib-windows", "2", "--eval-windows", "1", "--quant", "none", "-o", str(out)],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "healing made the held-out KL worse: the package keeps the unhealed weights" in r.output
+    m = json.loads((out / "manifest.json").read_text())
+    h = m["heal"]
+    assert h["kept_unhealed"] and h["after"]["held_out_kd"] > h["before"]["held_out_kd"]
+    assert m["quality"]["perplexity"]["pruned"] == pytest.approx(h["before"]["perplexity"], rel=1e-5)
+    assert "keeps the unhealed weights" in (out / "report.md").read_text()
+
+
 def test_a_heal_checkpoint_resumes_only_the_same_heal_text(tiny_dirs, text_file, tmp_path):
     """The checkpoint is keyed by the heal text's content, not its name: the teacher's sampled chat
     answers can differ between thread counts, and a resume must not continue training on other data."""

@@ -113,12 +113,12 @@ def test_ddp_expert_gates_and_healing_on_an_moe_model(moe_dirs, text_file, tmp_p
     out, other = tmp_path / "pkg", tmp_path / "eval.txt"
     other.write_text("\n".join(f"Line {i} of another text, about other things than the calibration." for i in range(300)))
     r = _optimize(moe_dirs["qwen2_moe"], out, "--method", "ddp", "--steps", "4", "--retain", "0.5",
-                  "--calib", str(text_file), "--eval", str(other), "--heal-tokens", "512", "--heal-chat", "0")
+                  "--calib", str(text_file), "--eval", str(other), "--heal-tokens", "4096", "--heal-chat", "0")
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())
     assert m["method"]["name"] == "ddp" and m["method"]["experts"]["kept"] == 3
     assert m["method"]["ddp"]["steps"] == 4 and m["checks"]["masked_vs_pruned_max_abs_logit_diff"] < 1e-4
-    assert m["heal"]["steps"] >= 1 and m["heal"]["tokens"] > 0
+    assert m["heal"]["steps"] >= 1 and m["heal"]["tokens"] > 0 and not m["heal"]["kept_unhealed"]
     dense, pruned = (AutoModelForCausalLM.from_pretrained(d) for d in (moe_dirs["qwen2_moe"], out))
     adapter = get_adapter(dense.config)
     for old, new, keep in zip(moe_parts(dense, adapter), moe_parts(pruned, adapter), m["method"]["experts"]["keep"]):
