@@ -169,17 +169,23 @@ def test_resume_continues_the_same_run(tmp_path):
     assert not other.load(tmp_path / "heal.pt")  # another student: not this run's checkpoint
 
 
-def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
+def _heal_tiny_llama(tiny_dirs, text_file, tmp_path, *heal_args):
+    """`optimize` on the tiny LLaMA at retain 0.6, healed on a text of its own; (CLI result, package)."""
     from optimizer.cli import optimize
     other = tmp_path / "heal.txt"
     other.write_text(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)))
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
                                       "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
-                                      "--heal-data", str(other), "--heal-tokens", "2048", "--heal-chat", "0", "--seq-len", "128",
+                                      "--heal-data", str(other), *heal_args, "--heal-chat", "0", "--seq-len", "128",
                                       "--calib-windows", "2", "--eval-windows", "1", "--quant", "none", "-o", str(out)],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
+    return r, out
+
+
+def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
+    r, out = _heal_tiny_llama(tiny_dirs, text_file, tmp_path, "--heal-tokens", "2048")
     m = json.loads((out / "manifest.json").read_text())
     h = m["heal"]
     defaults = HealSettings()
@@ -194,16 +200,7 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
 
 def test_a_heal_that_makes_the_held_out_kl_worse_is_not_shipped(tiny_dirs, text_file, tmp_path):
     """A learning rate far too high wrecks the student: the package keeps the unhealed weights and says so."""
-    from optimizer.cli import optimize
-    other = tmp_path / "heal.txt"
-    other.write_text(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)))
-    out = tmp_path / "pkg"
-    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
-                                      "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
-                                      "--heal-data", str(other), "--heal-tokens", "1024", "--heal-lr", "1.0", "--heal-chat", "0", "--seq-len", "128",
-                                      "--calib-windows", "2", "--eval-windows", "1", "--quant", "none", "-o", str(out)],
-                           catch_exceptions=False)
-    assert r.exit_code == 0, r.output
+    r, out = _heal_tiny_llama(tiny_dirs, text_file, tmp_path, "--heal-tokens", "1024", "--heal-lr", "1.0")
     assert "healing made the held-out KL worse: the package keeps the unhealed weights" in r.output
     m = json.loads((out / "manifest.json").read_text())
     h = m["heal"]
