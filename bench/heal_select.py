@@ -35,6 +35,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", help="the variant's name (its JSON file's)")
     ap.add_argument("--student", default="out/heal-select-student", help="the unhealed package")
+    ap.add_argument("--teacher", help="the dense model the student was pruned from (default: the embedded one)")
+    ap.add_argument("--curve", type=int, default=0, metavar="N",
+                    help="also the KL on the calibration half's held-out windows every N steps (0: only at the end)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--lr-end", type=float, help="default: lr / 10")
     ap.add_argument("--steps", type=int, default=30)
@@ -64,8 +67,9 @@ def main() -> None:
     from optimizer.sequential import calibration_dtype
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    teacher, tok = load.load_model(load.resolve(None))
+    teacher, tok = load.load_model(load.resolve(a.teacher))
     student, _ = load.load_model(load.resolve(a.student))
+    teacher.requires_grad_(False)
 
     wiki = data.builtin_text("calib").text
     held = {"wiki_heldout": data.token_windows(tok, wiki, 1024)[-2:]}
@@ -89,12 +93,16 @@ def main() -> None:
     kls = lambda m: {k: round(kd_eval(m, teacher, v), 4) for k, v in held.items()}  # noqa: E731
     result = {"args": vars(a), "train_sequences": len(train), "generate_s": round(gen_s), "before": kls(student), **benchlib.run_info()}
     distil = Distillation(student, teacher, cfg)
-    started, losses = time.time(), []
+    started, losses, curve = time.time(), [], []
     for i in range(a.steps):
         losses.append(distil.step(train[(i * a.batch) % len(train):][: a.batch])["kd"])
         print(f"step {i}: kd {losses[-1]:.3f}, {time.time() - started:.0f} s", flush=True)
+        if a.curve and ((i + 1) % a.curve == 0 or i + 1 == a.steps):
+            curve.append({"step": i + 1, "wiki_heldout": round(kd_eval(student, teacher, held["wiki_heldout"]), 4)})
+            print(f"step {i + 1}: held-out KL {curve[-1]['wiki_heldout']}", flush=True)
     distil.close()
-    result.update(heal_s=round(time.time() - started), train_kd=losses, after=kls(student))
+    result.update(heal_s=round(time.time() - started), train_kd=losses, after=kls(student),
+                  **({"curve": curve} if curve else {}))
     result["after_mean"] = sum(result["after"].values()) / len(held)
     if a.zeroshot:
         result["zeroshot"] = zeroshot.evaluate(student, tok, ["arc_easy", "piqa", "hellaswag"], a.zeroshot,

