@@ -46,6 +46,9 @@ ALGORITHM = "heal-1: logit KL(teacher || student), chunked; blocks and final nor
 # default) is about AdamW's 3e-4 on SmolLM2's linear weights (RMS ~0.03); its end keeps AdamW's
 # ratio of a thirtieth.
 OPTIMIZER_LR = {"adamw": (3e-4, 1e-5), "adafactor": (1e-2, 1e-2 / 30)}
+# A heal at the default peak that raises the held-out KL is retried once at peak / this (Gemma-3-270M
+# at retain 0.7: 3e-4 raised it, 1e-4 lowered it; bench/results/heal-select/2026-12-04-gemma-lr).
+RETRY_LR_DIVISOR = 3
 
 
 @dataclass
@@ -331,9 +334,10 @@ def _heal(job, model, device: torch.device):
     steps = max(1, s.tokens // (batch * seq))
     optimizer = "adafactor" if s.memory == "lean" else "adamw"
     lr, lr_end = OPTIMIZER_LR[optimizer]
-    hcfg = HealConfig(steps=steps, lr=s.lr or lr, lr_end=lr_end if s.lr is None else s.lr * lr_end / lr,
-                      seed=cfg.seed, dtype=str(calibration_dtype(cfg.calib_dtype, device)).removeprefix("torch."),
-                      optimizer=optimizer, checkpointing=s.memory == "lean")
+    # the default peak, then once RETRY_LR_DIVISOR times lower if that raised the held-out KL (a
+    # --heal-lr is tried alone): bench/results/heal-select/2026-12-04-gemma-lr
+    peaks = [s.lr] if s.lr is not None else [lr, lr / RETRY_LR_DIVISOR]
+    dtype = str(calibration_dtype(cfg.calib_dtype, device)).removeprefix("torch.")
     keep = zero_masks(model, job.adapter) if job.plan.sparsity else None
     if s.memory == "lean":  # the teacher only runs forward passes (under autocast): bf16 halves it
         job.teacher.to(torch.bfloat16)
@@ -345,35 +349,50 @@ def _heal(job, model, device: torch.device):
     held_out = job.calib.held_out[:, :1024]
     before["held_out_kd"] = kd_eval(model, job.teacher, held_out)
     started = time.time()
-    distil = Distillation(model, job.teacher, hcfg, keep, blocks=job.adapter.blocks(model))
     # the heal text's content, not only its description: the teacher's sampled chat answers
     # can differ between machines and thread counts, and a checkpoint must be of this very data
     data_digest = hashlib.sha256(chunks.numpy().tobytes()).hexdigest()[:16]
-    ckpt = job.checkpoint("heal", [vars(hcfg), seq, batch, source, distil.start_digest, data_digest])
     # the unhealed weights, on the CPU (the size of the student's blocks): a heal that makes the
     # held-out KL worse is not shipped
-    unhealed = {n: p.detach().to("cpu", copy=True) for n, p in distil.params.items()}
-    run = job.train(distil, chunks, steps, batch, ckpt, "healing",
-                    lambda st: {"kd": f"{st['kd']:.3f}", "lr": f"{st['lr']:.1e}"}, max_time_s=s.time_s)
-    distil.close()
-    done = distil.step_count
-    after = {"held_out_kd": kd_eval(model, job.teacher, held_out)}
-    if world > 1:
-        job.log(f"healed on {world} processes, {batch // world} sequence(s) each a step")
-    job.log(f"healed: {done} steps, {done * batch * seq:,} tokens of {source} in {run['wall_s']:.0f} s; "
-            f"held-out KL to the dense model {before['held_out_kd']:.4f} → {after['held_out_kd']:.4f}")
-    kept_unhealed = distributed.all_agree(after["held_out_kd"] > before["held_out_kd"])  # every rank alike
-    if kept_unhealed:
+    unhealed = None
+    attempts = []
+    for peak in peaks:
+        time_left = None if s.time_s is None else s.time_s - (time.time() - started)
+        if attempts and time_left is not None and time_left <= 0:
+            break
+        hcfg = HealConfig(steps=steps, lr=peak, lr_end=peak * lr_end / lr, seed=cfg.seed, dtype=dtype,
+                          optimizer=optimizer, checkpointing=s.memory == "lean")
+        distil = Distillation(model, job.teacher, hcfg, keep, blocks=job.adapter.blocks(model))
+        ckpt = job.checkpoint("heal", [vars(hcfg), seq, batch, source, distil.start_digest, data_digest])
+        if unhealed is None:
+            unhealed = {n: p.detach().to("cpu", copy=True) for n, p in distil.params.items()}
+        run = job.train(distil, chunks, steps, batch, ckpt, "healing" if not attempts else f"healing at lr {peak:.0e}",
+                        lambda st: {"kd": f"{st['kd']:.3f}", "lr": f"{st['lr']:.1e}"}, max_time_s=time_left)
+        distil.close()
+        done = distil.step_count
+        after = {"held_out_kd": kd_eval(model, job.teacher, held_out)}
+        attempts.append({"lr": peak, "steps": done, "wall_s": run["wall_s"], "held_out_kd": after["held_out_kd"]})
+        if world > 1:
+            job.log(f"healed on {world} processes, {batch // world} sequence(s) each a step")
+        job.log(f"healed at lr {peak:.1e}: {done} steps, {done * batch * seq:,} tokens of {source} in "
+                f"{run['wall_s']:.0f} s; held-out KL to the dense model {before['held_out_kd']:.4f} → "
+                f"{after['held_out_kd']:.4f}")
+        kept_unhealed = distributed.all_agree(after["held_out_kd"] > before["held_out_kd"])  # every rank alike
+        if not kept_unhealed:
+            break
         with torch.no_grad():
             for n, p in distil.params.items():
                 p.copy_(unhealed[n])
+        job.log(f"healing at lr {peak:.1e} made the held-out KL worse: back to the unhealed weights"
+                + ("; trying a lower learning rate" if peak != peaks[-1] else ""))
+    if kept_unhealed:
         job.log("healing made the held-out KL worse: the package keeps the unhealed weights (a lower --heal-lr "
                 "or other --heal-data may heal this model)")
     del unhealed
     job.heal_detail = {
         "data": source, "tokens_requested": s.tokens, "tokens": done * batch * seq, "steps": done,
         "steps_planned": steps, "seq_len": seq, "batch": batch, "processes": world, "time_cap_s": s.time_s,
-        "stopped_by_time": done < steps, "kept_unhealed": kept_unhealed, "config": vars(hcfg),
+        "stopped_by_time": done < steps, "kept_unhealed": kept_unhealed, "config": vars(hcfg), "attempts": attempts,
         "zeros_held": len(keep or {}),
         "before": before, "after": after, "memory_bytes": distil.state_bytes(),
         "peak_rss_gib": round(peak_rss_gib(), 2), "device": str(device),

@@ -58,6 +58,9 @@ def _heal_lines(m: dict) -> list[str]:
              + (", stopped by the time cap" if h["stopped_by_time"] else "") + ").",
              f"KL to the dense model on the held-out calibration window: {b['held_out_kd']:.4f} before, "
              f"{a['held_out_kd']:.4f} after."]
+    for tried in h.get("attempts", [])[:-1]:  # default-lr heals that raised the KL, retried lower
+        lines.append(f"Healing at lr {tried['lr']:.0e} raised that KL to {tried['held_out_kd']:.4f}; it was undone "
+                     f"and retried at lr {h['attempts'][-1]['lr']:.0e}.")
     if h.get("kept_unhealed"):
         lines.append("**Healing made that KL worse, so the package keeps the unhealed weights** (try a lower "
                      "`--heal-lr` or other `--heal-data`).")

@@ -205,8 +205,27 @@ def test_a_heal_that_makes_the_held_out_kl_worse_is_not_shipped(tiny_dirs, text_
     m = json.loads((out / "manifest.json").read_text())
     h = m["heal"]
     assert h["kept_unhealed"] and h["after"]["held_out_kd"] > h["before"]["held_out_kd"]
+    assert [a["lr"] for a in h["attempts"]] == [1.0]  # a --heal-lr the user set is not retried
     assert m["quality"]["perplexity"]["pruned"] == pytest.approx(h["before"]["perplexity"], rel=1e-5)
     assert "keeps the unhealed weights" in (out / "report.md").read_text()
+
+
+def test_a_default_heal_that_makes_the_held_out_kl_worse_is_retried_at_a_lower_learning_rate(tiny_dirs, text_file,
+                                                                                              tmp_path, monkeypatch):
+    """Without --heal-lr, a wrecking peak (here 1.0) is undone and the heal runs again at
+    peak / RETRY_LR_DIVISOR (here 1e-4), which heals; the manifest and report list both."""
+    from optimizer import heal
+    monkeypatch.setitem(heal.OPTIMIZER_LR, "adamw", (1.0, 1.0 / 30))
+    monkeypatch.setattr(heal, "RETRY_LR_DIVISOR", 1e4)
+    r, out = _heal_tiny_llama(tiny_dirs, text_file, tmp_path, "--heal-tokens", "1024")
+    assert "trying a lower learning rate" in r.output and "keeps the unhealed weights" not in r.output
+    h = json.loads((out / "manifest.json").read_text())["heal"]
+    first, second = h["attempts"]
+    assert first["lr"] == 1.0 and first["held_out_kd"] > h["before"]["held_out_kd"]
+    assert second["lr"] == pytest.approx(1e-4) and h["after"]["held_out_kd"] == second["held_out_kd"]
+    assert not h["kept_unhealed"] and second["held_out_kd"] < h["before"]["held_out_kd"]
+    assert h["config"]["lr"] == pytest.approx(1e-4) and h["config"]["lr_end"] == pytest.approx(1e-4 / 30)
+    assert "retried at lr 1e-04" in (out / "report.md").read_text()
 
 
 def test_a_heal_checkpoint_resumes_only_the_same_heal_text(tiny_dirs, text_file, tmp_path):
