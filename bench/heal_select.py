@@ -69,7 +69,6 @@ def main() -> None:
     torch.manual_seed(0)
     teacher, tok = load.load_model(load.resolve(a.teacher))
     student, _ = load.load_model(load.resolve(a.student))
-    teacher.requires_grad_(False)
 
     wiki = data.builtin_text("calib").text
     held = {"wiki_heldout": data.token_windows(tok, wiki, 1024)[-2:]}

@@ -352,9 +352,6 @@ def _heal(job, model, device: torch.device):
     # the heal text's content, not only its description: the teacher's sampled chat answers
     # can differ between machines and thread counts, and a checkpoint must be of this very data
     data_digest = hashlib.sha256(chunks.numpy().tobytes()).hexdigest()[:16]
-    # the unhealed weights, on the CPU (the size of the student's blocks): a heal that makes the
-    # held-out KL worse is not shipped
-    unhealed = None
     attempts = []
     for peak in peaks:
         time_left = None if s.time_s is None else s.time_s - (time.time() - started)
@@ -364,7 +361,8 @@ def _heal(job, model, device: torch.device):
                           optimizer=optimizer, checkpointing=s.memory == "lean")
         distil = Distillation(model, job.teacher, hcfg, keep, blocks=job.adapter.blocks(model))
         ckpt = job.checkpoint("heal", [vars(hcfg), seq, batch, source, distil.start_digest, data_digest])
-        if unhealed is None:
+        if not attempts:  # the unhealed weights, on the CPU (the size of the student's blocks): a
+            # heal that makes the held-out KL worse is not shipped
             unhealed = {n: p.detach().to("cpu", copy=True) for n, p in distil.params.items()}
         run = job.train(distil, chunks, steps, batch, ckpt, "healing" if not attempts else f"healing at lr {peak:.0e}",
                         lambda st: {"kd": f"{st['kd']:.3f}", "lr": f"{st['lr']:.1e}"}, max_time_s=time_left)
@@ -372,8 +370,6 @@ def _heal(job, model, device: torch.device):
         done = distil.step_count
         after = {"held_out_kd": kd_eval(model, job.teacher, held_out)}
         attempts.append({"lr": peak, "steps": done, "wall_s": run["wall_s"], "held_out_kd": after["held_out_kd"]})
-        if world > 1:
-            job.log(f"healed on {world} processes, {batch // world} sequence(s) each a step")
         job.log(f"healed at lr {peak:.1e}: {done} steps, {done * batch * seq:,} tokens of {source} in "
                 f"{run['wall_s']:.0f} s; held-out KL to the dense model {before['held_out_kd']:.4f} → "
                 f"{after['held_out_kd']:.4f}")
@@ -385,6 +381,8 @@ def _heal(job, model, device: torch.device):
                 p.copy_(unhealed[n])
         job.log(f"healing at lr {peak:.1e} made the held-out KL worse: back to the unhealed weights"
                 + ("; trying a lower learning rate" if peak != peaks[-1] else ""))
+    if world > 1:
+        job.log(f"healed on {world} processes, {batch // world} sequence(s) each a step")
     if kept_unhealed:
         job.log("healing made the held-out KL worse: the package keeps the unhealed weights (a lower --heal-lr "
                 "or other --heal-data may heal this model)")

