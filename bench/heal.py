@@ -28,13 +28,13 @@ from pathlib import Path
 import benchlib
 
 TASKS = ["arc_easy", "piqa", "hellaswag"]
-STRUCTURED = {"activation", "ddp"}
+STRUCTURED = {"activation", "ddp", "depth"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=["activation"],
-                    help="activation | ddp | ddp:per-layer | sparsegpt | roi (2:4)")
+                    help="activation | ddp | ddp:per-layer | depth | sparsegpt | roi (2:4)")
     ap.add_argument("--retain", type=float, nargs="+", default=[0.7])
     ap.add_argument("--heal-tokens", type=int, nargs="+", default=[0, 36864],
                     help="heal budgets (0: unhealed; default: the product's)")

@@ -32,7 +32,8 @@ def one_line_errors(fn):
 @click.option("--target", "-t", default="auto", show_default=True,
               help="Deployment target from `profiles` (a100, h100, l4, cpu, ...) or 'auto' to detect.")
 @click.option("--method", default="auto", show_default=True,
-              help="auto | structured (= activation, then heal) | activation (one-shot) | ddp (learned gates) | semi-structured | "
+              help="auto | structured (= activation, then heal) | activation (one-shot) | ddp (learned gates) | "
+                   "depth (whole blocks removed) | semi-structured | "
                    "magnitude | wanda | sparsegpt | si+magnitude | si+wanda | si+sparsegpt | roi (learned N:M)")
 @click.option("--sparsity", default="2:4", show_default=True,
               help="Semi-structured methods: N:M pattern (2:4, 4:8, 2:8) or an unstructured fraction (0.5).")

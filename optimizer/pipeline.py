@@ -56,6 +56,9 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     if cfg.format == "onnx" and not adapter.onnx_export:
         raise UserError(f"{adapter.family}: ONNX export covers the LLaMA-shaped families "
                         f"({', '.join(onnx_families())}); use --format vllm")
+    depth = plan.method == planner.DEPTH and not moe
+    if depth:
+        check_depth(cfg, adapter, hf_config)
     if cfg.layout == "per-layer" and not adapter.per_layer:
         raise UserError(f"{adapter.family}: no per-layer model class for this family; use --layout uniform")
     if moe:
@@ -65,6 +68,11 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         for name, width in adapter.input_widths(hf_config).items():
             sparsity.parse(plan.sparsity).check_shape(width, name)
         plan.prediction = planner.roofline_sparse(target, adapter, hf_config, plan.sparse_kernel)
+    elif depth:
+        from optimizer.depth import blocks_to_keep
+        plan.prediction = planner.roofline(target, adapter, hf_config, adapter.dense_shape(hf_config),
+                                           layers=blocks_to_keep(hf_config.num_hidden_layers, cfg.retain),
+                                           **planner.quant_prediction(plan))
     else:
         nominal = budget.uniform_candidates(adapter, hf_config, cfg.retain)
         if not nominal:
@@ -86,6 +94,8 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         from optimizer.experts import Experts as Kind
     elif plan.sparsity:
         from optimizer.semistructured import SemiStructured as Kind
+    elif depth:
+        from optimizer.depth import Depth as Kind
     else:
         from optimizer.structured import Structured as Kind
     with staged(out) if distributed.is_main() else contextlib.nullcontext() as tmp:  # rank 0 writes
@@ -113,6 +123,18 @@ def check_moe(cfg: OptimizeConfig, adapter) -> None:
     if cfg.quant not in ("none", "auto"):
         raise UserError(f"{adapter.family}: MoE packages are not quantized yet (the fused 3-D expert tensors "
                         f"need their own scheme): use --quant none or auto")
+
+
+def check_depth(cfg: OptimizeConfig, adapter, hf_config) -> None:
+    """What --method depth does not do, refused in one line before any work."""
+    from optimizer.depth import check
+    if cfg.refit is not None and cfg.refit.asked:
+        raise UserError("--refit refits the kept columns of pruned heads and channels; --method depth keeps "
+                        "every block it keeps whole: drop --refit")
+    if cfg.budget != "params":
+        raise UserError("--method depth removes whole blocks, each the same share of parameters and of time: "
+                        "drop --budget")
+    check(hf_config, adapter, cfg.retain)
 
 
 def meta_params(hf_config) -> int:

@@ -24,11 +24,13 @@ from runtime.package import installed_vllm_version  # noqa: F401  (the planner's
 # healing the one-shot student's weights buy more (bench/results/heal/); DDP on request.
 STRUCTURED_METHODS = ("activation", "ddp")
 STRUCTURED = "activation"
+# Whole blocks removed (optimizer/depth.py): fewer layers instead of narrower ones.
+DEPTH = "depth"
 # The semi-structured family (N:M or unstructured zeros in every Linear of the blocks).
 ONE_SHOT = ("magnitude", "wanda", "sparsegpt")
 SPARSE_METHODS = (*ONE_SHOT, *(f"si+{m}" for m in ONE_SHOT), "roi")
 SEMI_STRUCTURED = "sparsegpt"   # auto's choice where a 2:4 kernel serves the package
-METHODS = ("auto", "structured", "semi-structured", *STRUCTURED_METHODS, *SPARSE_METHODS)
+METHODS = ("auto", "structured", "semi-structured", *STRUCTURED_METHODS, DEPTH, *SPARSE_METHODS)
 DEFAULT_VLLM = "0.32.0"
 
 
@@ -133,6 +135,9 @@ def choose(target: Profile, method: str, engine: str = "vllm", engine_version: s
                                 f"and no speedup is to be expected (use --method structured to be faster)")
     elif method in STRUCTURED_METHODS:
         plan.reasons.append(f"{method} requested")
+    elif method == DEPTH:
+        plan.reasons.append("depth requested: whole blocks removed, the rest untouched (fewer layers, a stock "
+                            "config every engine loads)")
     elif has_kernel:
         plan.reasons.append("structured requested: smaller on every GPU, no sparse kernel needed")
     else:
@@ -149,6 +154,9 @@ def for_experts(plan: Plan, method: str, family: str) -> None:
     if plan.sparsity and method != "auto":
         raise UserError(f"{family}: MoE models are pruned by removing whole experts (and expert channels); --method {method} "
                         f"(semi-structured) is not written for them: use --method structured or ddp")
+    if method == DEPTH:
+        raise UserError(f"{family}: MoE models are pruned by removing whole experts; --method depth is written for "
+                        f"dense blocks: use --method structured or ddp")
     plan.sparsity, plan.sparse_kernel = None, False
     plan.method = "ddp" if method == "ddp" else "reap"
     del plan.reasons[1:]  # the 2:4 kernel's line stays; the heads-and-channels reasoning does not apply
@@ -232,14 +240,16 @@ def unit_latency_costs(target: Profile, adapter: DecoderAdapter, config, batch: 
             t(chan_p), t(fixed_p))
 
 
-def _model_cost(adapter: DecoderAdapter, config, shape: BlockShape) -> tuple[int, int, int, int]:
-    """(parameters read per token, KV values per token, attention width heads*head_dim, embedding)."""
+def _model_cost(adapter: DecoderAdapter, config, shape: BlockShape, layers: int | None = None) -> tuple[int, int, int, int]:
+    """(parameters read per token, KV values per token, attention width heads*head_dim, embedding)
+    of `layers` blocks (default: the config's) of this shape."""
+    layers = layers or config.num_hidden_layers
     embed = config.vocab_size * config.hidden_size
     head = embed  # tied or not, the LM head matmul reads a vocab x hidden matrix
-    blocks = config.num_hidden_layers * adapter.block_params(config, shape)
+    blocks = layers * adapter.block_params(config, shape)
     d = adapter.head_dim(config)
-    kv = 2 * config.num_hidden_layers * shape.num_kv_heads * d
-    return blocks + head, kv, config.num_hidden_layers * shape.num_heads * d, embed
+    kv = 2 * layers * shape.num_kv_heads * d
+    return blocks + head, kv, layers * shape.num_heads * d, embed
 
 
 # Bytes a block weight takes per precision (scales included: one 2-byte scale per output channel is
@@ -255,9 +265,9 @@ def _quant_peak(target: Profile, quant: str) -> float:
 
 def roofline(target: Profile, adapter: DecoderAdapter, config, shape: BlockShape,
              prompt_tokens: int = 512, context_tokens: int = 512, bytes_per_value: int = 2,
-             quant: str = "none", quant_kernel: bool = True) -> dict:
-    """Prefill and decode speedups of the pruned (and `quant`-quantized) model over the dense bf16
-    one. Quantized, the block weights stream QUANT_BYTES each and, with the engine's kernel for
+             quant: str = "none", quant_kernel: bool = True, layers: int | None = None) -> dict:
+    """Prefill and decode speedups of the pruned (and `quant`-quantized) model, `layers` blocks
+    (default: all) of `shape`, over the dense bf16 one. Quantized, the block weights stream QUANT_BYTES each and, with the engine's kernel for
     `quant` (`quant_kernel`), W8A8's block matmuls run at the int8 / fp8 peak; without a kernel
     the quantized package is predicted as the 16-bit one. The embedding and LM head stay 16-bit;
     the bytes a step streams are the blocks' and the LM head's (an untied input embedding is only
@@ -267,8 +277,8 @@ def roofline(target: Profile, adapter: DecoderAdapter, config, shape: BlockShape
     q = quant if quant_kernel else "none"
     q_peak, q_bytes = _quant_peak(target, q), QUANT_BYTES[q]
 
-    def times(s: BlockShape, quantized: bool):
-        matmul_params, kv, attn_width, embed = _model_cost(adapter, config, s)
+    def times(s: BlockShape, quantized: bool, n_layers: int | None = None):
+        matmul_params, kv, attn_width, embed = _model_cost(adapter, config, s, n_layers)
         blocks = matmul_params - embed                      # _model_cost counted the LM head in
         b_peak, b_bytes = (q_peak, q_bytes) if quantized else (peak, bytes_per_value)
         weight_bytes = blocks * b_bytes + embed * bytes_per_value  # the LM head; an input embedding is looked up
@@ -282,7 +292,7 @@ def roofline(target: Profile, adapter: DecoderAdapter, config, shape: BlockShape
         return prefill, decode(1), decode(16), weight_bytes, blocks * b_bytes
 
     dense = times(adapter.dense_shape(config), False)
-    pruned = times(shape, q != "none")
+    pruned = times(shape, q != "none", layers)
     return {"prompt_tokens": prompt_tokens, "context_tokens": context_tokens, "precision": q,
             # what pruning can reach: a large vocabulary's head is bytes no block pruning removes
             "block_bytes_share": dense[4] / dense[3],

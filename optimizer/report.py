@@ -77,9 +77,35 @@ def _heal_lines(m: dict) -> list[str]:
     return lines
 
 
+def _shape_lines(meth: dict) -> list[str]:
+    """Heads and channels removed: the block shape, and the shapes tried."""
+    dense, shape = meth["dense_shape"], meth["shape"]
+    lines = ["## Shape per block", "",
+             "| | query heads | KV heads | MLP channels |", "|---|---|---|---|",
+             f"| dense | {dense['num_heads']} | {dense['num_kv_heads']} | {dense['intermediate_size']} |",
+             f"| pruned | {shape['num_heads']} | {shape['num_kv_heads']} | {shape['intermediate_size']} |",
+             "", "Candidate shapes tried (held-out calibration loss, lower is better):", ""]
+    for c in meth["candidates"]:
+        s = c["shape"]
+        lines.append(f"- {s['num_heads']}/{s['num_kv_heads']} heads, {s['intermediate_size']} channels: "
+                     f"retention {c['retain']:.3f}, loss {c['held_out_loss']:.4f}")
+    return lines
+
+
+def _blocks_lines(meth: dict) -> list[str]:
+    """Whole blocks removed (--method depth): which, and each block's influence."""
+    b = meth["blocks"]
+    return ["## Blocks", "",
+            f"{len(b['kept'])} of {b['dense']} blocks kept, each whole; removed: "
+            f"{', '.join(map(str, b['removed']))} ({b['criterion']}, lowest first go; the first and last stay).", "",
+            "| block | " + " | ".join(str(i) for i in range(b["dense"])) + " |",
+            "|---" * (b["dense"] + 1) + "|",
+            "| influence | " + " | ".join(f"{x:.3f}" for x in b["influence"]) + " |",
+            "| kept | " + " | ".join("yes" if i in b["kept"] else "—" for i in range(b["dense"])) + " |"]
+
+
 def render(m: dict) -> str:
     meth, size, q = m["method"], m["size"], m["quality"].get("perplexity")
-    dense, shape = meth["dense_shape"], meth["shape"]
     lines = [
         f"# {m['engine']['served_model_name']}",
         "",
@@ -99,20 +125,8 @@ def render(m: dict) -> str:
           if "refit" in meth else []),
         *_quant_lines(m),
         "",
-        "## Shape per block",
-        "",
-        "| | query heads | KV heads | MLP channels |",
-        "|---|---|---|---|",
-        f"| dense | {dense['num_heads']} | {dense['num_kv_heads']} | {dense['intermediate_size']} |",
-        f"| pruned | {shape['num_heads']} | {shape['num_kv_heads']} | {shape['intermediate_size']} |",
-        "",
-        "Candidate shapes tried (held-out calibration loss, lower is better):",
-        "",
+        *(_blocks_lines(meth) if "blocks" in meth else _shape_lines(meth)),
     ]
-    for c in meth["candidates"]:
-        s = c["shape"]
-        lines.append(f"- {s['num_heads']}/{s['num_kv_heads']} heads, {s['intermediate_size']} channels: "
-                     f"retention {c['retain']:.3f}, loss {c['held_out_loss']:.4f}")
     lines += ["", "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m)]
     lines += ["", "## Plan", "", "```", m["plan"]["text"], "```", "",
               "The roofline is a prediction from the target's datasheet numbers; "
@@ -122,7 +136,8 @@ def render(m: dict) -> str:
               f"- `./launch.sh` or `serve .` starts the OpenAI-compatible server with "
               f"`{' '.join(m['engine']['args'])}`",
               "- `Dockerfile` builds the same on an official vLLM image",
-              f"- internal check: masked vs physically pruned logits differ by at most "
+              f"- internal check: {'the dense model skipping the removed blocks' if 'blocks' in meth else 'masked'} "
+              f"vs physically pruned logits differ by at most "
               f"{m['checks']['masked_vs_pruned_max_abs_logit_diff']:.2e}", ""]
     return "\n".join(lines)
 

@@ -78,7 +78,7 @@ class Phi3Adapter(DecoderAdapter):
     def finish_checkpoint(self, directory: Path, source_config: dict) -> None:
         """Rewrite the working model's checkpoint in `directory` as Phi-3: fused tensors (every
         tensor a part holds: weight, and with --quant its scales / packed weights) and the source's
-        config with the pruned shape, dtype and quantization config."""
+        config with the pruned shape (and depth), dtype and quantization config."""
         from safetensors.torch import load_file, save_file
         files = sorted(directory.glob("*.safetensors"))
         sd = {k: v for f in files for k, v in load_file(f).items()}  # a layer's parts may sit in two shards
@@ -97,7 +97,7 @@ class Phi3Adapter(DecoderAdapter):
         path = directory / "config.json"
         working = json.loads(path.read_text())
         config = {**source_config, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}
-        for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim", "dtype",
+        for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim", "dtype",
                   "torch_dtype", "quantization_config", "transformers_version"):
             if k in working:
                 config[k] = working[k]

@@ -1,0 +1,187 @@
+"""The depth kind of job (`--method depth`): remove whole decoder blocks.
+
+method   each block's influence on the residual stream over the calibration windows (ShortGPT's
+         block influence: 1 − cos(block input, block output), the token mean); the
+         L − round(retain · L) blocks that change it least go, the first and last never
+surgery  a copy of the model that holds only the kept blocks (config.num_hidden_layers and the
+         per-layer `layer_types` sliced), checked against the dense model run with the removed
+         blocks skipped
+export   the structured kind's exporters: a stock vLLM package (fewer layers, same names), or ONNX
+
+Why a kind of its own: narrowing every block (the structured kind) keeps the perplexity closer,
+removing blocks keeps more of the zero-shot ability at the same parameters, and a package with
+fewer layers runs fewer kernels a step (bench/results/heal-select/2026-12-04-depth/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from tqdm import tqdm
+
+from optimizer import report
+from optimizer import plan as planner
+from optimizer.errors import UserError
+from optimizer.job import MAX_MODEL_LEN, Decision, Job
+
+
+def blocks_to_keep(num_layers: int, retain: float) -> int:
+    """The blocks a --retain keeps: the nearest whole number, at least the first and the last."""
+    return max(2, min(num_layers, round(retain * num_layers)))
+
+
+def check(config, adapter, retain: float) -> None:
+    """What the depth kind does not do, refused in one line before any work."""
+    if config.num_hidden_layers < 3:
+        raise UserError(f"--method depth removes whole blocks between the first and the last; this model has "
+                        f"{config.num_hidden_layers}")
+    if blocks_to_keep(config.num_hidden_layers, retain) == config.num_hidden_layers:
+        raise UserError(f"--retain {retain} keeps all {config.num_hidden_layers} blocks (each is "
+                        f"{1 / config.num_hidden_layers:.3f} of them): lower --retain or use --method structured")
+    if getattr(config, "use_sliding_window", False):
+        raise UserError(f"{adapter.family}: a sliding-window split by layer count (max_window_layers) is not "
+                        f"rewritten for fewer layers: use --method structured")
+
+
+class BlockInfluence:
+    """Statistics: per block, the running token mean of 1 − cos(input, output) of the residual
+    stream (`add_batch` per window). Decision: `keep(n)`, the n blocks that change it most."""
+
+    def __init__(self, blocks: torch.nn.ModuleList):
+        self.sums = torch.zeros(len(blocks), dtype=torch.float64)
+        self.tokens = 0
+        self.handles = [b.register_forward_hook(self._hook(i), with_kwargs=True) for i, b in enumerate(blocks)]
+
+    def _hook(self, i: int):
+        def hook(module, args, kwargs, out):
+            x = args[0] if args else kwargs["hidden_states"]
+            y = out[0] if isinstance(out, tuple) else out
+            cos = torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1)
+            self.sums[i] += float((1 - cos).sum())
+        return hook
+
+    @torch.inference_mode()
+    def add_batch(self, model, window: torch.Tensor) -> None:
+        model(window[None], use_cache=False)
+        self.tokens += window.numel()
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def influence(self) -> list[float]:
+        return (self.sums / max(self.tokens, 1)).tolist()
+
+    def keep(self, n: int) -> list[int]:
+        """The first, the last, and the n − 2 blocks between them of highest influence, in order."""
+        inner = sorted(range(1, len(self.sums) - 1), key=lambda i: -self.sums[i])[: n - 2]
+        return sorted([0, *inner, len(self.sums) - 1])
+
+
+@contextlib.contextmanager
+def skipped(model, adapter, removed: list[int]):
+    """The model with the `removed` blocks passing their input through unchanged (the reference
+    the pruned model is checked against)."""
+    def identity(module, args, kwargs, out):
+        x = args[0] if args else kwargs["hidden_states"]
+        return (x, *out[1:]) if isinstance(out, tuple) else x
+    blocks = adapter.blocks(model)
+    handles = [blocks[i].register_forward_hook(identity, with_kwargs=True) for i in removed]
+    try:
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def remove_blocks(model, adapter, keep: list[int]):
+    """A copy of `model` with only the `keep` blocks, renumbered, and its config to match."""
+    blocks = adapter.blocks(model)
+    kept = torch.nn.ModuleList(copy.deepcopy(blocks[i]) for i in keep)
+    saved, model.model.layers = model.model.layers, torch.nn.ModuleList()  # deepcopy the rest only
+    try:
+        pruned = copy.deepcopy(model)
+    finally:
+        model.model.layers = saved
+    pruned.model.layers = kept
+    for j, block in enumerate(kept):
+        for m in block.modules():  # attention's index into the KV cache and its layer type
+            if hasattr(m, "layer_idx"):
+                m.layer_idx = j
+    config = pruned.config
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in keep]
+    config.num_hidden_layers = len(keep)
+    return pruned
+
+
+class Depth:
+    edits_in_place = False  # surgery builds a new model; job.model stays the dense teacher
+
+    def method(self, job: Job) -> Decision:
+        model, adapter, config = job.model, job.adapter, job.model.config
+        n = blocks_to_keep(config.num_hidden_layers, job.cfg.retain)
+        windows = job.calib.train[: job.cfg.data.calib_windows]
+        stats = BlockInfluence(adapter.blocks(model))
+        try:
+            for w in tqdm(windows, desc="block influence", unit="win"):
+                stats.add_batch(model, w)
+        finally:
+            stats.close()
+        keep = stats.keep(n)
+        removed = [i for i in range(config.num_hidden_layers) if i not in keep]
+        job.log(f"blocks: {n} of {config.num_hidden_layers} kept; removed {removed} (least block influence "
+                f"on {windows.numel():,} calibration tokens)")
+        detail = {"calibration": {"source": job.calib.text.description, "tokens": windows.numel()},
+                  "blocks": {"dense": config.num_hidden_layers, "kept": keep, "removed": removed,
+                             "influence": [round(x, 5) for x in stats.influence()],
+                             "criterion": "block influence (1 - cos of the residual stream across the block)"}}
+        return Decision(None, detail, {"keep": keep, "removed": removed})
+
+    def surgery(self, job: Job, decision: Decision):
+        model, adapter = job.model, job.adapter
+        pruned = remove_blocks(model, adapter, decision.extra["keep"])
+        held_out = job.calib.held_out[:, :256]
+        with torch.inference_mode(), skipped(model, adapter, decision.extra["removed"]):
+            ref = model(held_out, use_cache=False).logits
+        with torch.inference_mode():
+            max_diff = (pruned(held_out, use_cache=False).logits - ref).abs().max().item()
+        if max_diff > 1e-3 * max(1.0, ref.abs().max().item()):
+            raise RuntimeError(f"internal check failed: the model without the removed blocks differs from the "
+                               f"dense model skipping them by {max_diff}")
+        decision.extra["max_diff"] = max_diff
+        return pruned
+
+    def describe(self, job: Job, decision: Decision, pruned) -> dict:
+        from optimizer.structured import exporter
+        cfg, model, adapter, target = job.cfg, job.model, job.adapter, job.target
+        config, blocks = model.config, decision.detail["blocks"]
+        dense_shape = adapter.dense_shape(config)
+        kept = len(blocks["kept"])
+        job.plan.prediction = planner.roofline(target, adapter, config, dense_shape, layers=kept,
+                                               **planner.quant_prediction(job.plan))
+        dense_params = sum(p.numel() for p in model.parameters())
+        pruned_params = sum(p.numel() for n, p in pruned.named_parameters()
+                            if not n.endswith(("_scale", "_zero_point")))
+        lookup = 0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel()
+        block = adapter.block_params(config, dense_shape)
+        method = {"name": "depth", "plan": job.plan.method, "layout": "uniform", "budget": "params",
+                  "retain_requested": cfg.retain, "retain_achieved": kept / blocks["dense"],
+                  "retain_budget_achieved": kept / blocks["dense"],
+                  "dense_shape": dense_shape.__dict__, "shape": dense_shape.__dict__, "candidates": [],
+                  "seed": cfg.seed, **decision.detail}
+        size = {"params_dense": dense_params, "params_pruned": pruned_params, "lookup_params": lookup,
+                "block_params_dense": blocks["dense"] * block, "block_params_pruned": kept * block,
+                "bf16_bytes_dense": 2 * dense_params, "bf16_bytes_pruned": 2 * pruned_params,
+                "ideal_ratio": (dense_params - lookup) / (pruned_params - lookup)}
+        engine = exporter(cfg.format).engine_section(target.kind, MAX_MODEL_LEN, job.out.name)
+        return {"format": cfg.format, "method": method, "size": size, "engine": engine,
+                "checks": {"masked_vs_pruned_max_abs_logit_diff": decision.extra["max_diff"]}}
+
+    def export(self, job: Job, pruned, manifest: dict) -> None:
+        from optimizer.structured import Structured, exporter
+        exporter(job.cfg.format).write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render(manifest),
+                                               **(Structured._onnx_args(job, pruned) if job.cfg.format == "onnx"
+                                                  else {"finish_checkpoint": job.finish_checkpoint}))

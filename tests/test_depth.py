@@ -1,0 +1,130 @@
+"""--method depth: whole blocks removed (optimizer/depth.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from optimizer.adapters import get_adapter
+from optimizer.depth import BlockInfluence, blocks_to_keep, remove_blocks, skipped
+from optimizer.errors import UserError
+from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimize
+from tests.conftest import tiny_config, tiny_model
+
+LAYERS = 6
+MIXED = ["sliding_attention", "full_attention"] * (LAYERS // 2)  # every other layer: slicing shows
+
+
+def deep_tiny(family: str, vocab_size: int = 512):
+    torch.manual_seed(0)
+    cfg = tiny_config(family, vocab_size)
+    cfg.num_hidden_layers = LAYERS
+    if family.startswith("gemma"):
+        cfg.layer_types = list(MIXED)
+    elif getattr(cfg, "layer_types", None):  # computed for the default depth: one type a layer
+        cfg.layer_types = cfg.layer_types[:1] * LAYERS
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "gemma2"])
+def test_the_model_without_the_removed_blocks_equals_the_dense_model_skipping_them(family, tmp_path):
+    """Also after a save and a load (the package's config: layer count, sliced layer types)."""
+    model = deep_tiny(family)
+    adapter = get_adapter(model.config)
+    keep, removed = [0, 2, 3, 5], [1, 4]
+    pruned = remove_blocks(model, adapter, keep)
+    ids = torch.randint(0, 512, (2, 40))  # longer than the Gemma sliding window (16): both layer kinds act
+    with torch.no_grad(), skipped(model, adapter, removed):
+        ref = model(ids, use_cache=False).logits
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(ids, use_cache=False).logits, ref, atol=1e-5, rtol=1e-5)
+    assert len(adapter.blocks(model)) == LAYERS  # the dense model is untouched
+    pruned.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.num_hidden_layers == len(keep)
+    if family.startswith("gemma"):
+        assert loaded.config.layer_types == [MIXED[i] for i in keep]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, use_cache=False).logits, ref, atol=1e-5, rtol=1e-5)
+        # generation uses the KV cache, indexed by the renumbered blocks
+        out = loaded.generate(ids[:1, :8], max_new_tokens=6, do_sample=False)
+        assert out.shape == (1, 14)
+
+
+def test_block_influence_keeps_the_first_the_last_and_the_blocks_that_change_the_stream_most():
+    model = tiny_model("llama")
+    model.config.num_hidden_layers = 4
+    model.model.layers.extend(tiny_model("llama", seed=1).model.layers)  # 4 blocks
+    adapter = get_adapter(model.config)
+    with torch.no_grad():  # block 2 does nothing (zero output projections): least influence
+        for lin in (adapter.attention(model.model.layers[2]).o, adapter.mlp(model.model.layers[2]).down):
+            lin.weight.zero_()
+    stats = BlockInfluence(adapter.blocks(model))
+    for seed in range(2):
+        stats.add_batch(model, torch.randint(0, 512, (32,), generator=torch.Generator().manual_seed(seed)))
+    stats.close()
+    influence = stats.influence()
+    assert influence[2] == pytest.approx(0, abs=1e-6) and min(influence[1], influence[3]) > 0
+    assert stats.keep(3) == [0, 1, 3]
+    assert stats.keep(2) == [0, 3]
+
+
+def test_blocks_to_keep_rounds_and_keeps_at_least_the_first_and_last():
+    assert blocks_to_keep(30, 0.7) == 21 and blocks_to_keep(30, 0.5) == 15 and blocks_to_keep(6, 0.1) == 2
+
+
+def _deep_dir(tmp_path, tokenizer, family="llama"):
+    src = tmp_path / "src"
+    deep_tiny(family, vocab_size=len(tokenizer)).save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    return src
+
+
+def test_optimize_depth_writes_a_healed_int8_package_with_fewer_blocks(tmp_path, tokenizer, text_file):
+    from optimizer import load
+    src = _deep_dir(tmp_path, tokenizer, "gemma3")
+    heal_text = tmp_path / "heal.txt"
+    heal_text.write_text(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)))
+    out = tmp_path / "pkg"
+    r = optimize(OptimizeConfig(model=str(src), target="a100", method="depth", retain=0.5, out=str(out),
+                                data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=2,
+                                                eval_windows=1, seq_len=64),
+                                heal=HealSettings(tokens=256, seq_len=64, batch=2, chat=0, data=[str(heal_text)])),
+                 log=lambda *_: None)
+    m = r["manifest"]
+    blocks = m["method"]["blocks"]
+    assert m["method"]["name"] == "depth" and len(blocks["kept"]) == 3 and blocks["kept"][0] == 0
+    assert blocks["kept"][-1] == LAYERS - 1 and sorted(blocks["kept"] + blocks["removed"]) == list(range(LAYERS))
+    assert m["method"]["retain_achieved"] == pytest.approx(0.5)
+    assert m["quantization"]["precision"] == "int8" and m["heal"]["steps"] >= 1
+    assert m["checks"]["masked_vs_pruned_max_abs_logit_diff"] < 1e-3
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and config["layer_types"] == [MIXED[i] for i in blocks["kept"]]
+    assert "## Blocks" in (out / "report.md").read_text()
+    assert m["plan"]["prediction"]["weight_bytes_ratio"] > 1
+    model, _ = load.load_model(load.resolve(str(out)))  # the compressed-tensors package reads back
+    assert len(model.model.layers) == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"layout": "per-layer"}, "needs --method ddp"),
+    ({"retain": 0.95}, "keeps all 6 blocks"),
+    ({"budget": "latency"}, "drop --budget"),
+])
+def test_what_depth_does_not_do_is_refused_in_one_line_before_any_work(tmp_path, tokenizer, args, message):
+    src = _deep_dir(tmp_path, tokenizer)
+    cfg = OptimizeConfig(model=str(src), target="a100", method="depth", out=str(tmp_path / "pkg"),
+                         **{"retain": 0.5, **args})
+    with pytest.raises(UserError, match=message):
+        optimize(cfg, log=lambda *_: None)
+    assert not (tmp_path / "pkg").exists()
