@@ -3,8 +3,9 @@
 `Job` holds what every kind of run shares — the model and tokenizer, the calibration and
 evaluation windows, the dense model's perplexity, the checkpointed training loop, the manifest
 and the temporary package directory — and `Job.run(kind)` calls the stages of one *kind* of run
-in order. The structured kind (`optimizer/structured.py`) and the semi-structured kind
-(`optimizer/semistructured.py`) are peers on it.
+in order. The structured kind (`optimizer/structured.py`), the depth kind (`optimizer/depth.py`),
+the semi-structured kind (`optimizer/semistructured.py`) and the expert kind (`optimizer/experts.py`)
+are peers on it.
 
 The stage contract. A kind is an object with four methods (and `edits_in_place`: whether its
 method writes into job.model); each gets the job and what the previous stage returned:

@@ -128,3 +128,16 @@ def test_what_depth_does_not_do_is_refused_in_one_line_before_any_work(tmp_path,
     with pytest.raises(UserError, match=message):
         optimize(cfg, log=lambda *_: None)
     assert not (tmp_path / "pkg").exists()
+
+
+def test_the_roofline_of_fewer_blocks_counts_their_bytes_and_the_whole_lm_head():
+    from optimizer import plan as planner
+    from optimizer.profiles import load_profile
+    cfg = tiny_config("llama")
+    cfg.num_hidden_layers = LAYERS
+    adapter = get_adapter(cfg)
+    shape = adapter.dense_shape(cfg)
+    block, head = adapter.block_params(cfg, shape), cfg.vocab_size * cfg.hidden_size
+    p = planner.roofline(load_profile("a100"), adapter, cfg, shape, layers=3)
+    assert p["weight_bytes_ratio"] == pytest.approx((LAYERS * block + head) / (3 * block + head))
+    assert planner.roofline(load_profile("a100"), adapter, cfg, shape)["weight_bytes_ratio"] == pytest.approx(1)

@@ -46,10 +46,11 @@ def _larger_weights(model, dims=(2,)):
 ARCHITECTURE = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 
 
-def _tiny_gemma3(vocab: int, family: str = "gemma3"):
+def _tiny_gemma3(vocab: int, family: str = "gemma3", layer_types: list[str] | None = None):
     from transformers import Gemma2Config, Gemma3TextConfig
     cls = Gemma3TextConfig if family == "gemma3" else Gemma2Config
-    cfg = cls(vocab_size=vocab, **{**SMALL, "num_hidden_layers": 4}, sliding_window=16)
+    layers = len(layer_types) if layer_types else 4
+    cfg = cls(vocab_size=vocab, **{**SMALL, "num_hidden_layers": layers}, sliding_window=16, layer_types=layer_types)
     cfg.architectures = [ARCHITECTURE[family]]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
@@ -71,6 +72,18 @@ def test_vllm_serves_a_pruned_gemma_package_like_transformers(tokenizer, text_fi
     config = json.loads((pkg / "config.json").read_text())
     assert config["architectures"] == [ARCHITECTURE[family]] and config["head_dim"] == SMALL["head_dim"]
     _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, ARCHITECTURE[family])
+
+
+def test_vllm_serves_a_depth_pruned_gemma3_package_like_transformers(tokenizer, text_file, tmp_path):
+    """--method depth: fewer layers under the family's own architecture, each kept layer's attention
+    kind (sliding window or full) carried in layer_types, which vLLM reads per layer."""
+    types = ["sliding_attention", "full_attention"] * 3
+    pkg, m = _package(_tiny_gemma3(len(tokenizer), layer_types=types), tokenizer, text_file, tmp_path,
+                      "--method", "depth", "--retain", "0.5", "--quant", "none")
+    kept = m["method"]["blocks"]["kept"]
+    config = json.loads((pkg / "config.json").read_text())
+    assert config["num_hidden_layers"] == len(kept) == 3 and config["layer_types"] == [types[i] for i in kept]
+    _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, ARCHITECTURE["gemma3"])
 
 
 @pytest.mark.parametrize("family, architecture", [("mistral", "MistralForCausalLM"), ("qwen2", "LlamaForCausalLM"),
