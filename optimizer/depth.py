@@ -8,15 +8,16 @@ surgery  a copy of the model that holds only the kept blocks (config.num_hidden_
          blocks skipped
 export   the structured kind's exporters: a stock vLLM package (fewer layers, same names), or ONNX
 
-Why a kind of its own: narrowing every block (the structured kind) keeps the perplexity closer,
-removing blocks keeps more of the zero-shot ability at the same parameters, and a package with
-fewer layers runs fewer kernels a step (bench/results/heal-select/2026-12-04-depth/).
+Why a kind of its own: at the same parameters, narrowing every block (the structured kind) kept the
+perplexity closer and removing blocks more of the zero-shot ability, and a package with fewer
+layers runs fewer kernels a step (bench/results/heal-select/2026-12-04-depth/).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import time
 
 import torch
 from tqdm import tqdm
@@ -97,21 +98,20 @@ def skipped(model, adapter, removed: list[int]):
 
 
 def remove_blocks(model, adapter, keep: list[int]):
-    """A copy of `model` with only the `keep` blocks, renumbered, and its config to match."""
+    """A copy of `model` with only the `keep` blocks, renumbered, and its config to match. One deep
+    copy of the model holding only those blocks, so that they share the copy's config."""
     blocks = adapter.blocks(model)
-    kept = torch.nn.ModuleList(copy.deepcopy(blocks[i]) for i in keep)
-    saved, model.model.layers = model.model.layers, torch.nn.ModuleList()  # deepcopy the rest only
+    model.model.layers = torch.nn.ModuleList(blocks[i] for i in keep)
     try:
         pruned = copy.deepcopy(model)
     finally:
-        model.model.layers = saved
-    pruned.model.layers = kept
-    for j, block in enumerate(kept):
-        for m in block.modules():  # attention's index into the KV cache and its layer type
+        model.model.layers = blocks
+    for j, block in enumerate(adapter.blocks(pruned)):
+        for m in block.modules():  # attention's index into the KV cache
             if hasattr(m, "layer_idx"):
                 m.layer_idx = j
     config = pruned.config
-    if getattr(config, "layer_types", None):
+    if getattr(config, "layer_types", None):  # each kept block keeps its attention kind (sliding or full)
         config.layer_types = [config.layer_types[i] for i in keep]
     config.num_hidden_layers = len(keep)
     return pruned
@@ -124,6 +124,7 @@ class Depth:
         model, adapter, config = job.model, job.adapter, job.model.config
         n = blocks_to_keep(config.num_hidden_layers, job.cfg.retain)
         windows = job.calib.train[: job.cfg.data.calib_windows]
+        started = time.time()
         stats = BlockInfluence(adapter.blocks(model))
         try:
             for w in tqdm(windows, desc="block influence", unit="win"):
@@ -131,10 +132,11 @@ class Depth:
         finally:
             stats.close()
         keep = stats.keep(n)
+        wall_s = round(time.time() - started, 1)
         removed = [i for i in range(config.num_hidden_layers) if i not in keep]
         job.log(f"blocks: {n} of {config.num_hidden_layers} kept; removed {removed} (least block influence "
                 f"on {windows.numel():,} calibration tokens)")
-        detail = {"calibration": {"source": job.calib.text.description, "tokens": windows.numel()},
+        detail = {"calibration": {"source": job.calib.text.description, "tokens": windows.numel()}, "wall_s": wall_s,
                   "blocks": {"dense": config.num_hidden_layers, "kept": keep, "removed": removed,
                              "influence": [round(x, 5) for x in stats.influence()],
                              "criterion": "block influence (1 - cos of the residual stream across the block)"}}
@@ -143,7 +145,7 @@ class Depth:
     def surgery(self, job: Job, decision: Decision):
         model, adapter = job.model, job.adapter
         pruned = remove_blocks(model, adapter, decision.extra["keep"])
-        held_out = job.calib.held_out[:, :256]
+        held_out = job.calib.held_out[:, :256]  # shorter than real sliding windows: the tests check layer_types
         with torch.inference_mode(), skipped(model, adapter, decision.extra["removed"]):
             ref = model(held_out, use_cache=False).logits
         with torch.inference_mode():

@@ -136,8 +136,8 @@ def choose(target: Profile, method: str, engine: str = "vllm", engine_version: s
     elif method in STRUCTURED_METHODS:
         plan.reasons.append(f"{method} requested")
     elif method == DEPTH:
-        plan.reasons.append("depth requested: whole blocks removed, the rest untouched (fewer layers, a stock "
-                            "config every engine loads)")
+        plan.reasons.append("depth requested: whole blocks removed, the rest untouched (the family's own config "
+                            "with fewer layers)")
     elif has_kernel:
         plan.reasons.append("structured requested: smaller on every GPU, no sparse kernel needed")
     else:
@@ -243,7 +243,7 @@ def unit_latency_costs(target: Profile, adapter: DecoderAdapter, config, batch: 
 def _model_cost(adapter: DecoderAdapter, config, shape: BlockShape, layers: int | None = None) -> tuple[int, int, int, int]:
     """(parameters read per token, KV values per token, attention width heads*head_dim, embedding)
     of `layers` blocks (default: the config's) of this shape."""
-    layers = layers or config.num_hidden_layers
+    layers = config.num_hidden_layers if layers is None else layers
     embed = config.vocab_size * config.hidden_size
     head = embed  # tied or not, the LM head matmul reads a vocab x hidden matrix
     blocks = layers * adapter.block_params(config, shape)

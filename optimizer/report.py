@@ -104,6 +104,11 @@ def _blocks_lines(meth: dict) -> list[str]:
             "| kept | " + " | ".join("yes" if i in b["kept"] else "—" for i in range(b["dense"])) + " |"]
 
 
+def check_reference(meth: dict) -> str:
+    """What the physically pruned model was checked against (manifest checks.masked_vs_pruned_...)."""
+    return "the dense model skipping the removed blocks" if "blocks" in meth else "masked"
+
+
 def render(m: dict) -> str:
     meth, size, q = m["method"], m["size"], m["quality"].get("perplexity")
     lines = [
@@ -136,8 +141,7 @@ def render(m: dict) -> str:
               f"- `./launch.sh` or `serve .` starts the OpenAI-compatible server with "
               f"`{' '.join(m['engine']['args'])}`",
               "- `Dockerfile` builds the same on an official vLLM image",
-              f"- internal check: {'the dense model skipping the removed blocks' if 'blocks' in meth else 'masked'} "
-              f"vs physically pruned logits differ by at most "
+              f"- internal check: {check_reference(meth)} vs physically pruned logits differ by at most "
               f"{m['checks']['masked_vs_pruned_max_abs_logit_diff']:.2e}", ""]
     return "\n".join(lines)
 

@@ -57,7 +57,7 @@ def test_the_model_without_the_removed_blocks_equals_the_dense_model_skipping_th
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, use_cache=False).logits, ref, atol=1e-5, rtol=1e-5)
         # generation uses the KV cache, indexed by the renumbered blocks
-        out = loaded.generate(ids[:1, :8], max_new_tokens=6, do_sample=False)
+        out = loaded.generate(ids[:1, :8], max_new_tokens=6, min_new_tokens=6, do_sample=False)
         assert out.shape == (1, 14)
 
 
@@ -141,3 +141,30 @@ def test_the_roofline_of_fewer_blocks_counts_their_bytes_and_the_whole_lm_head()
     p = planner.roofline(load_profile("a100"), adapter, cfg, shape, layers=3)
     assert p["weight_bytes_ratio"] == pytest.approx((LAYERS * block + head) / (3 * block + head))
     assert planner.roofline(load_profile("a100"), adapter, cfg, shape)["weight_bytes_ratio"] == pytest.approx(1)
+
+
+@pytest.mark.parametrize("family, fmt", [("phi3", "vllm"), ("llama", "onnx")])
+def test_a_depth_package_of_phi3_and_an_onnx_one_load_back_with_fewer_blocks(tmp_path, tokenizer, text_file,
+                                                                             family, fmt):
+    """Phi-3's checkpoint is rewritten fused from the working model (its config carries the layer
+    count); the ONNX exporter traces the kept blocks and validates them against PyTorch."""
+    from optimizer import load
+    if family == "phi3":
+        from tests.test_phi3 import tiny_phi3
+        src = tmp_path / "src"
+        tiny_phi3(len(tokenizer), num_hidden_layers=LAYERS).save_pretrained(src)
+        tokenizer.save_pretrained(src)
+    else:
+        src = _deep_dir(tmp_path, tokenizer, family)
+    out = tmp_path / "pkg"
+    m = optimize(OptimizeConfig(model=str(src), target="a100", method="depth", retain=0.5, out=str(out), format=fmt,
+                                data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=2,
+                                                eval_windows=1, seq_len=64),
+                                heal=HealSettings(tokens=0), quant="none"), log=lambda *_: None)["manifest"]
+    kept = m["method"]["blocks"]["kept"]
+    assert len(kept) == 3 and json.loads((out / "config.json").read_text())["num_hidden_layers"] == 3
+    if fmt == "vllm":
+        model, _ = load.load_model(load.resolve(str(out)))
+        assert type(model).__name__ == "Phi3ForCausalLM" and len(model.model.layers) == 3
+    else:
+        assert (out / "model.onnx").is_file() and "the dense model skipping the removed blocks" in (out / "report.md").read_text()

@@ -74,7 +74,7 @@ def calib_kl(keep: list[int], teacher_logp) -> float:
     return total / len(greedy_windows)
 
 
-def greedy() -> list[int]:
+def greedy() -> tuple[list[int], list[dict]]:
     keep = list(range(teacher.config.num_hidden_layers))
     trace = []
     with torch.no_grad():
