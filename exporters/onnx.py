@@ -276,6 +276,6 @@ def _report(report_md: str, manifest: dict) -> str:
              f"{c['decode']['logits_max_abs_diff']:.2e} (tolerance {c['tolerance_of_scale']:g} x the largest logit); greedy "
              f"{greedy['matched']}/{greedy['tokens']} tokens identical{tie}",
              f"- export {c['export_s']:.1f} s, validation {c['validate_s']:.1f} s",
-             f"- internal check: {report.check_reference(manifest['method'])} vs physically pruned logits differ by at most "
+             f"- internal check: {report.check_reference(manifest.get('method', {}))} vs physically pruned logits differ by at most "
              f"{manifest['checks'].get('masked_vs_pruned_max_abs_logit_diff', float('nan')):.2e}", ""]
     return "\n".join(lines)
