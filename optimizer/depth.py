@@ -22,7 +22,6 @@ import time
 import torch
 from tqdm import tqdm
 
-from optimizer import report
 from optimizer import plan as planner
 from optimizer.errors import UserError
 from optimizer.job import MAX_MODEL_LEN, Decision, Job
@@ -33,8 +32,15 @@ def blocks_to_keep(num_layers: int, retain: float) -> int:
     return max(2, min(num_layers, round(retain * num_layers)))
 
 
-def check(config, adapter, retain: float) -> None:
-    """What the depth kind does not do, refused in one line before any work."""
+def check(cfg, adapter, config) -> None:
+    """What --method depth does not do, refused in one line before any work (`config`: the model's)."""
+    if cfg.refit is not None and cfg.refit.asked:
+        raise UserError("--refit refits the kept columns of pruned heads and channels; --method depth keeps "
+                        "every block it keeps whole: drop --refit")
+    if cfg.budget != "params":
+        raise UserError("--method depth removes whole blocks, each the same share of parameters and of time: "
+                        "drop --budget")
+    retain = cfg.retain
     if config.num_hidden_layers < 3:
         raise UserError(f"--method depth removes whole blocks between the first and the last; this model has "
                         f"{config.num_hidden_layers}")
@@ -44,6 +50,11 @@ def check(config, adapter, retain: float) -> None:
     if getattr(config, "use_sliding_window", False):
         raise UserError(f"{adapter.family}: a sliding-window split by layer count (max_window_layers) is not "
                         f"rewritten for fewer layers: use --method structured")
+
+
+def block_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A decoder block's input hidden states, as a forward hook with kwargs sees them."""
+    return args[0] if args else kwargs["hidden_states"]
 
 
 class BlockInfluence:
@@ -57,7 +68,7 @@ class BlockInfluence:
 
     def _hook(self, i: int):
         def hook(module, args, kwargs, out):
-            x = args[0] if args else kwargs["hidden_states"]
+            x = block_input(args, kwargs)
             y = out[0] if isinstance(out, tuple) else out
             cos = torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1)
             self.sums[i] += float((1 - cos).sum())
@@ -86,7 +97,7 @@ def skipped(model, adapter, removed: list[int]):
     """The model with the `removed` blocks passing their input through unchanged (the reference
     the pruned model is checked against)."""
     def identity(module, args, kwargs, out):
-        x = args[0] if args else kwargs["hidden_states"]
+        x = block_input(args, kwargs)
         return (x, *out[1:]) if isinstance(out, tuple) else x
     blocks = adapter.blocks(model)
     handles = [blocks[i].register_forward_hook(identity, with_kwargs=True) for i in removed]
@@ -157,33 +168,24 @@ class Depth:
         return pruned
 
     def describe(self, job: Job, decision: Decision, pruned) -> dict:
-        from optimizer.structured import exporter
+        from optimizer.structured import exporter, size_section
         cfg, model, adapter, target = job.cfg, job.model, job.adapter, job.target
         config, blocks = model.config, decision.detail["blocks"]
         dense_shape = adapter.dense_shape(config)
         kept = len(blocks["kept"])
         job.plan.prediction = planner.roofline(target, adapter, config, dense_shape, layers=kept,
                                                **planner.quant_prediction(job.plan))
-        dense_params = sum(p.numel() for p in model.parameters())
-        pruned_params = sum(p.numel() for n, p in pruned.named_parameters()
-                            if not n.endswith(("_scale", "_zero_point")))
-        lookup = 0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel()
         block = adapter.block_params(config, dense_shape)
         method = {"name": "depth", "plan": job.plan.method, "layout": "uniform", "budget": "params",
                   "retain_requested": cfg.retain, "retain_achieved": kept / blocks["dense"],
                   "retain_budget_achieved": kept / blocks["dense"],
                   "dense_shape": dense_shape.__dict__, "shape": dense_shape.__dict__, "candidates": [],
                   "seed": cfg.seed, **decision.detail}
-        size = {"params_dense": dense_params, "params_pruned": pruned_params, "lookup_params": lookup,
-                "block_params_dense": blocks["dense"] * block, "block_params_pruned": kept * block,
-                "bf16_bytes_dense": 2 * dense_params, "bf16_bytes_pruned": 2 * pruned_params,
-                "ideal_ratio": (dense_params - lookup) / (pruned_params - lookup)}
+        size = size_section(model, pruned, blocks["dense"] * block, kept * block)
         engine = exporter(cfg.format).engine_section(target.kind, MAX_MODEL_LEN, job.out.name)
         return {"format": cfg.format, "method": method, "size": size, "engine": engine,
                 "checks": {"masked_vs_pruned_max_abs_logit_diff": decision.extra["max_diff"]}}
 
     def export(self, job: Job, pruned, manifest: dict) -> None:
-        from optimizer.structured import Structured, exporter
-        exporter(job.cfg.format).write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render(manifest),
-                                               **(Structured._onnx_args(job, pruned) if job.cfg.format == "onnx"
-                                                  else {"finish_checkpoint": job.finish_checkpoint}))
+        from optimizer.structured import Structured
+        Structured().export(job, pruned, manifest)  # the uniform layout's exporters, as they are

@@ -58,7 +58,8 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
                         f"({', '.join(onnx_families())}); use --format vllm")
     depth = plan.method == planner.DEPTH and not moe
     if depth:
-        check_depth(cfg, adapter, hf_config)
+        from optimizer.depth import check
+        check(cfg, adapter, hf_config)
     if cfg.layout == "per-layer" and not adapter.per_layer:
         raise UserError(f"{adapter.family}: no per-layer model class for this family; use --layout uniform")
     if moe:
@@ -123,18 +124,6 @@ def check_moe(cfg: OptimizeConfig, adapter) -> None:
     if cfg.quant not in ("none", "auto"):
         raise UserError(f"{adapter.family}: MoE packages are not quantized yet (the fused 3-D expert tensors "
                         f"need their own scheme): use --quant none or auto")
-
-
-def check_depth(cfg: OptimizeConfig, adapter, hf_config) -> None:
-    """What --method depth does not do, refused in one line before any work."""
-    from optimizer.depth import check
-    if cfg.refit is not None and cfg.refit.asked:
-        raise UserError("--refit refits the kept columns of pruned heads and channels; --method depth keeps "
-                        "every block it keeps whole: drop --refit")
-    if cfg.budget != "params":
-        raise UserError("--method depth removes whole blocks, each the same share of parameters and of time: "
-                        "drop --budget")
-    check(hf_config, adapter, cfg.retain)
 
 
 def meta_params(hf_config) -> int:

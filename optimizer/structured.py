@@ -98,22 +98,14 @@ class Structured:
         config, x = model.config, decision.extra
         shape, chosen, per_layer = x["shape"], x["chosen"], x.get("per_layer")
         job.plan.prediction = planner.roofline(target, adapter, config, shape, **planner.quant_prediction(job.plan))
-        dense_params = sum(p.numel() for p in model.parameters())
-        pruned_params = sum(p.numel() for n, p in pruned.named_parameters()  # not --quant's scales
-                            if not n.endswith(("_scale", "_zero_point")))
         method = {"name": job.plan.method, "plan": job.plan.method, "layout": cfg.layout, "budget": cfg.budget,
                   "retain_requested": cfg.retain, "retain_achieved": chosen["retain"],
                   "retain_budget_achieved": chosen["retain_budget"],
                   "dense_shape": adapter.dense_shape(config).__dict__, "shape": shape.__dict__,
                   "candidates": x["tried"], "seed": cfg.seed, **decision.detail}
-        # An untied input embedding is looked up, not streamed, at each decode step: it is in the
-        # parameters but not in the ideal ratio (a tied one is read as the LM head).
-        lookup = 0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel()
-        size = {"params_dense": dense_params, "params_pruned": pruned_params, "lookup_params": lookup,
-                "block_params_dense": config.num_hidden_layers * adapter.block_params(config, adapter.dense_shape(config)),
-                "block_params_pruned": config.num_hidden_layers * adapter.block_params(config, shape),
-                "bf16_bytes_dense": 2 * dense_params, "bf16_bytes_pruned": 2 * pruned_params,
-                "ideal_ratio": (dense_params - lookup) / (pruned_params - lookup)}
+        size = size_section(model, pruned,
+                            config.num_hidden_layers * adapter.block_params(config, adapter.dense_shape(config)),
+                            config.num_hidden_layers * adapter.block_params(config, shape))
         if per_layer:
             method.update(per_layer, shape={k: round(v, 2) for k, v in shape.__dict__.items()})
             size["block_params_pruned"] = sum(p.numel() for p in adapter.blocks(pruned).parameters())
@@ -139,6 +131,19 @@ class Structured:
         int8 = getattr(pruned, "ort_int8", None)  # quantize_for_onnxruntime's activation hooks
         return {"dtype": job.cfg.onnx_dtype,
                 **({"float_activations": int8.float_activations, "int8_roles": int8.roles} if int8 else {})}
+
+
+def size_section(model, pruned, block_params_dense: int, block_params_pruned: int) -> dict:
+    """The manifest's `size` of a dense `model` and its `pruned` copy (not --quant's scales)."""
+    dense_params = sum(p.numel() for p in model.parameters())
+    pruned_params = sum(p.numel() for n, p in pruned.named_parameters() if not n.endswith(("_scale", "_zero_point")))
+    # An untied input embedding is looked up, not streamed, at each decode step: it is in the
+    # parameters but not in the ideal ratio (a tied one is read as the LM head).
+    lookup = 0 if model.config.tie_word_embeddings else model.get_input_embeddings().weight.numel()
+    return {"params_dense": dense_params, "params_pruned": pruned_params, "lookup_params": lookup,
+            "block_params_dense": block_params_dense, "block_params_pruned": block_params_pruned,
+            "bf16_bytes_dense": 2 * dense_params, "bf16_bytes_pruned": 2 * pruned_params,
+            "ideal_ratio": (dense_params - lookup) / (pruned_params - lookup)}
 
 
 # --- the methods' stages ---------------------------------------------------------------------------

@@ -49,8 +49,12 @@ def tiny_config(family: str, vocab_size: int = 512):
 def tiny_model(family: str, seed: int = 0, vocab_size: int = 512):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, vocab_size)).eval()
-    with torch.no_grad():  # random norms and biases so that nothing is trivially 1 or 0
+    return random_norms_and_biases(AutoModelForCausalLM.from_config(tiny_config(family, vocab_size)).eval())
+
+
+def random_norms_and_biases(model):
+    """Random norms and biases so that nothing is trivially 1 or 0."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)

@@ -12,7 +12,7 @@ from optimizer.adapters import get_adapter
 from optimizer.depth import BlockInfluence, blocks_to_keep, remove_blocks, skipped
 from optimizer.errors import UserError
 from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimize
-from tests.conftest import tiny_config, tiny_model
+from tests.conftest import random_norms_and_biases, tiny_config, tiny_model
 
 LAYERS = 6
 MIXED = ["sliding_attention", "full_attention"] * (LAYERS // 2)  # every other layer: slicing shows
@@ -26,14 +26,7 @@ def deep_tiny(family: str, vocab_size: int = 512):
         cfg.layer_types = list(MIXED)
     elif getattr(cfg, "layer_types", None):  # computed for the default depth: one type a layer
         cfg.layer_types = cfg.layer_types[:1] * LAYERS
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-    return model
+    return random_norms_and_biases(AutoModelForCausalLM.from_config(cfg).eval())
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "gemma2"])
