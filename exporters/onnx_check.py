@@ -76,8 +76,10 @@ def validate(model, onnx_path: Path, dtype: str = "float32", tokenizer=None, see
     itself moves when run in float64, whichever is larger: with one uint8 scale per tensor a float
     rounding that lands an activation on the other side of a half step moves it a whole step, and
     such flips grow through the layers, in PyTorch as in onnxruntime (SmolLM2-135M at 0.7: the
-    twin's float32 and float64 logits differ by 7% of their scale). A wrong graph (a padded row,
-    a wrong axis) is off by ten times that.
+    twin's float32 and float64 logits differ by about 6% of their scale at most positions, and now
+    and then by 80% at one, where a flip hit a massive activation). So the twin's distance is taken
+    per position (`_Noise`): such a position gets its own limit without loosening the others'.
+    A wrong graph (a padded row, a wrong axis) is off by ten times that.
     """
     t0 = time.time()
     threads = threads or torch.get_num_threads()
@@ -110,27 +112,34 @@ def validate(model, onnx_path: Path, dtype: str = "float32", tokenizer=None, see
         mask[1, :pad] = 0
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     r_logits, state, r_pres = ref(ids, mask, pos)
+    keep = mask.bool().numpy()
+    noise = noise2 = None
     if int8:
         import copy
-        twin64, _, _ = _Reference(copy.deepcopy(model).double())(ids, mask, pos)
-        noise = float((twin64.float() - r_logits).abs().max())
-        tol = max(tol, 2 * noise / max(1.0, float(r_logits.abs().max())))
-        figures.update(reference_float64_noise=noise, tolerance_of_scale=tol)
+        twin64 = _Reference(copy.deepcopy(model).double())
+        noise = _Noise(twin64(ids, mask, pos), r_logits, r_pres)
+        figures.update(reference_float64_noise=noise.max)
     logits, pres = _run(ort_dec, ids, mask, pos, ort_dec.empty_past(b))
     _shapes("prefill", logits, pres, (b, s, vocab), shapes, d, s)
-    keep = mask.bool().numpy()
-    figures["prefill"] = _compare("prefill", logits[keep], r_logits.numpy()[keep], pres, r_pres, keep, tol)
+    figures["prefill"] = _compare("prefill", logits[keep], r_logits.numpy()[keep], pres, r_pres, keep, tol,
+                                  noise and noise.logits[keep], noise and noise.presents)
 
     # decode: one token per row, fed with the graph's own presents
     nxt = torch.from_numpy(rng.integers(0, vocab, (b, 1)))
     mask2 = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], dim=1)
     pos2 = pos[:, -1:] + 1
     r_logits2, _, r_pres2 = ref(nxt, mask2, pos2, state)
+    if int8:
+        noise2 = _Noise(twin64(nxt, mask2, pos2, noise.state), r_logits2, r_pres2, typical=noise)
+        figures.update(reference_float64_noise=max(noise.max, noise2.max), tolerance_of_scale=noise.tolerance_of_scale(tol),
+                       positions_loosened_by_float_noise=noise.loosened(tol) + noise2.loosened(tol),
+                       positions=int(keep.sum()) + b)
     logits2, pres2 = _run(ort_dec, nxt, mask2, pos2, pres)
     _shapes("decode", logits2, pres2, (b, 1, vocab), shapes, d, s + 1)
-    figures["decode"] = _compare("decode", logits2, r_logits2.numpy(), pres2, r_pres2, mask2.bool().numpy(), tol)
+    figures["decode"] = _compare("decode", logits2, r_logits2.numpy(), pres2, r_pres2, mask2.bool().numpy(), tol,
+                                 noise2 and noise2.logits, noise2 and noise2.presents)
 
-    figures["greedy"] = _greedy(ort_dec, ref, _prompt(tokenizer, vocab, rng), tol)
+    figures["greedy"] = _greedy(ort_dec, ref, _prompt(tokenizer, vocab, rng), figures["tolerance_of_scale"])
     figures["validate_s"] = round(time.time() - t0, 2)
     return figures
 
@@ -152,18 +161,46 @@ def _shapes(step, logits, pres, want_logits, shapes, d, total) -> None:
                 raise ValidationError(f"{step}: present.{i}.{kind} shape {pres[2 * i + j].shape}, expected {want}")
 
 
-def _compare(step, logits, r_logits, pres, r_pres, keep, tol) -> dict:
-    """Max abs differences; fail beyond tolerance. Cache rows at padded positions are not compared."""
-    diff = _excess(logits.astype(np.float32), r_logits, tol)
+class _Noise:
+    """Twice the float64 twin's distance from the float32 reference per position, the limits of an
+    INT8 check: `logits` (batch, seq, 1) and `presents` (one (batch, 1, seq, 1) per cache tensor),
+    never below twice the distance at 90% of the positions (`typical`: a position where the twin
+    happens to agree with itself is no tighter than the rest; the positions beyond it keep their own)."""
+
+    def __init__(self, twin64, r_logits, r_pres, typical: "_Noise | None" = None):
+        logits64, self.state, pres64 = twin64
+        dist = (logits64.float() - r_logits).abs().amax(-1, keepdim=True).numpy()
+        pres = [(p64.float() - p).abs().amax((1, 3), keepdim=True).numpy() for p64, p in zip(pres64, r_pres)]
+        self.max = float(dist.max())
+        self.scale = max(1.0, float(r_logits.abs().max()))
+        self.typical = typical.typical if typical else float(np.quantile(dist, 0.9))
+        self.logits = 2 * np.maximum(dist, self.typical)
+        self.presents = [2 * np.maximum(p, np.quantile(p, 0.9)) for p in pres]
+        self._dist = dist
+
+    def tolerance_of_scale(self, tol: float) -> float:
+        """The tolerance at most positions, as a fraction of the logits' scale."""
+        return max(tol, 2 * self.typical / self.scale)
+
+    def loosened(self, tol: float) -> int:
+        """Positions where the twin's own distance there, not the typical one, sets the logits' limit."""
+        return int((2 * self._dist > self.tolerance_of_scale(tol) * self.scale).sum())
+
+
+def _compare(step, logits, r_logits, pres, r_pres, keep, tol, noise=None, pres_noise=None) -> dict:
+    """Max abs differences; fail beyond tolerance (or, given the twin's float noise per position,
+    beyond twice that where it is larger). Cache rows at padded positions are not compared."""
+    diff = _excess(logits.astype(np.float32), r_logits, tol, noise)
     if diff["excess"] > 0:
         raise ValidationError(f"{step}: logits differ from PyTorch by up to {diff['max_abs']:.3g} "
-                              f"(tolerance {diff['limit']:.3g} = {tol:g} x their scale)")
+                              f"(tolerance {diff['limit']:.3g} = {tol:g} x their scale"
+                              f"{'' if noise is None else ', or twice the float64 twin’s distance'})")
     worst = 0.0
     for i, (a, r) in enumerate(zip(pres, r_pres)):
         r = r.float().numpy()
         a = a[:, :, -r.shape[2]:].astype(np.float32)  # a sliding-window cache keeps only the last tokens
         valid = keep[:, None, -r.shape[2]:, None]
-        dd = _excess(np.where(valid, a, 0), np.where(valid, r, 0), tol)
+        dd = _excess(np.where(valid, a, 0), np.where(valid, r, 0), tol, None if pres_noise is None else pres_noise[i])
         if dd["excess"] > 0:
             raise ValidationError(f"{step}: present.{i // 2}.{('key', 'value')[i % 2]} differs from PyTorch's cache "
                                   f"by up to {dd['max_abs']:.3g} (tolerance {dd['limit']:.3g})")
@@ -172,12 +209,20 @@ def _compare(step, logits, r_logits, pres, r_pres, keep, tol) -> dict:
             "logits_max_abs": float(np.abs(r_logits).max())}
 
 
-def _excess(a: np.ndarray, r: np.ndarray, tol: float) -> dict:
+def _excess(a: np.ndarray, r: np.ndarray, tol: float, noise: np.ndarray | None = None) -> dict:
+    """noise: a limit per position broadcastable to `a` (_Noise's), where it is larger than tol's."""
     limit = tol * max(1.0, float(np.abs(r).max(initial=0.0)))
     if not np.isfinite(a).all():
         return {"max_abs": float("nan"), "excess": 1.0, "limit": limit}
-    d = float(np.abs(a - r).max(initial=0.0))
-    return {"max_abs": d, "excess": d - limit, "limit": limit}
+    d = np.abs(a - r)
+    if noise is None:
+        return {"max_abs": float(d.max(initial=0.0)), "excess": float(d.max(initial=0.0)) - limit, "limit": limit}
+    over = d - np.maximum(limit, noise)
+    worst = np.unravel_index(np.argmax(over), over.shape) if over.size else None
+    # beyond the limit, the worst offender's difference and limit; within it, the largest difference
+    return {"max_abs": float(d.max(initial=0.0)) if over.size == 0 or over[worst] <= 0 else float(d[worst]),
+            "excess": float(over.max(initial=-1.0)),
+            "limit": limit if worst is None else float(np.maximum(limit, np.broadcast_to(noise, d.shape)[worst]))}
 
 
 def _prompt(tokenizer, vocab: int, rng) -> list[int]:

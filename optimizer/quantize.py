@@ -26,6 +26,7 @@ import time
 import torch
 
 from optimizer.absorb import Transform, absorb, layout
+from optimizer.sequential import cpu_flags
 
 # --quant → compressed-tensors preset (quantization/quant_scheme.py) and what it holds
 PRESETS = {
@@ -105,13 +106,24 @@ ORT_INT8 = "onnxruntime dynamic INT8 (int8 per-channel weights, uint8 per-tensor
 ORT_INT8_ROLES = ("q", "k", "v", "o", "gate", "up")
 
 
+def ort_weight_max() -> int:
+    """The int8 weight grid [-m, m] onnxruntime computes correctly on this CPU: 127, or 64 (its
+    `reduce_range`) on an x86 CPU without VNNI. There its u8s8 MatMulInteger kernel multiplies with
+    VPMADDUBSW, which adds two uint8 x int8 products into a saturating int16: 255 x 127 x 2 overflows
+    it, 255 x 64 x 2 does not (onnxruntime's quantization guide: reduce_range or U8U8 on such CPUs).
+    Without it the exporter's INT8 check fails there (SmolLM2-135M at 0.7: logits off by 3.6, twice
+    the tolerance). Non-x86 CPUs (no flags read) keep 127."""
+    flags = cpu_flags()
+    return 64 if flags and not flags & {"avx512_vnni", "avx_vnni", "amx_int8"} else 127
+
+
 class OrtInt8:
     """The activation hooks of a model quantized for onnxruntime; `float_activations()` turns them
     off (the exporter's fp32 graph is checked against the model without them). `roles`: which
     projections of every block are INT8 (the exporter quantizes those MatMuls only)."""
 
-    def __init__(self, linears, roles=ORT_INT8_ROLES):
-        self.enabled, self.roles = True, tuple(roles)
+    def __init__(self, linears, roles=ORT_INT8_ROLES, weight_max=127):
+        self.enabled, self.roles, self.weight_max = True, tuple(roles), weight_max
         self.handles = [lin.register_forward_pre_hook(self._hook) for lin in linears]
 
     def _hook(self, _module, args):
@@ -154,16 +166,18 @@ def quantize_for_onnxruntime(job, model, windows, started):
         gate, up, down = job.adapter.mlp(b)
         roles = {"q": q, "k": k, "v": v, "o": o, "gate": gate, "up": up, "down": down}
         linears += [roles[r] for r in ORT_INT8_ROLES]
+    m = ort_weight_max()
     with torch.no_grad():
         for lin in linears:
-            scale = (lin.weight.float().abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
-            lin.weight.copy_(((lin.weight.float() / scale).round().clamp(-127, 127) * scale).to(lin.weight.dtype))
-    model.ort_int8 = OrtInt8(linears)
+            scale = (lin.weight.float().abs().amax(dim=1, keepdim=True) / m).clamp(min=1e-12)
+            lin.weight.copy_(((lin.weight.float() / scale).round().clamp(-m, m) * scale).to(lin.weight.dtype))
+    model.ort_int8 = OrtInt8(linears, weight_max=m)
     quantized = sum(lin.weight.numel() for lin in linears)
     params = sum(p.numel() for p in model.parameters())
     channels = sum(lin.out_features for lin in linears)
     job.quant_detail = {"precision": "int8", "scheme": ORT_INT8, "format": "onnx (onnxruntime.quantization)",
-                        "weights": "symmetric absmax per output channel on [-127, 127], round to nearest",
+                        "weights": f"symmetric absmax per output channel on [-{m}, {m}], round to nearest"
+                                   + ("" if m == 127 else " (onnxruntime's reduce_range: this CPU has no VNNI)"),
                         "group_size": None, "gptq": None,
                         "smoothing": {"alpha": SMOOTH_ALPHA, "tokens": windows.numel(),
                                       "points": "q/k/v, o, gate/up and down inputs"},
@@ -173,7 +187,7 @@ def quantize_for_onnxruntime(job, model, windows, started):
                         "quantized_params": quantized, "weight_bytes": quantized + 4 * (channels + params - quantized),
                         "bytes_per_value": 4, "wall_s": round(time.time() - started, 1)}
     job.log(f"quantized: {len(linears)} Linear layers for onnxruntime's dynamic INT8 (smoothed, round to nearest; "
-            f"{quantized:,} int8 weights)")
+            f"{quantized:,} int8 weights" + ("" if m == 127 else "; 7-bit grid [-64, 64]: this CPU has no VNNI") + ")")
     return model
 
 

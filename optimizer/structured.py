@@ -130,7 +130,8 @@ class Structured:
     def _onnx_args(job: Job, pruned) -> dict:
         int8 = getattr(pruned, "ort_int8", None)  # quantize_for_onnxruntime's activation hooks
         return {"dtype": job.cfg.onnx_dtype,
-                **({"float_activations": int8.float_activations, "int8_roles": int8.roles} if int8 else {})}
+                **({"float_activations": int8.float_activations, "int8_roles": int8.roles,
+                    "int8_weight_max": int8.weight_max} if int8 else {})}
 
 
 def size_section(model, pruned, block_params_dense: int, block_params_pruned: int) -> dict:

@@ -546,9 +546,10 @@ def test_optimize_onnx_int8_through_the_cli(tiny_dirs, text_file, tmp_path):
     m = json.loads((pkg / "manifest.json").read_text())
     c = m["checks"]["onnx"]
     assert c["tolerance_of_scale"] >= 5e-2 and c["float_graph"]["tolerance_of_scale"] == 1e-3
-    assert c["tolerance_of_scale"] == max(5e-2, 2 * c["reference_float64_noise"] / max(1.0, c["prefill"]["logits_max_abs"]))
+    assert 0 <= c["positions_loosened_by_float_noise"] <= c["positions"] == 2 * 12 + 2
     assert c["float_graph"]["greedy"]["tokens"] == 32 and c["greedy"]["tokens"] == 32
-    assert c["prefill"]["logits_max_abs_diff"] <= c["tolerance_of_scale"] * max(1.0, c["prefill"]["logits_max_abs"])
+    assert c["prefill"]["logits_max_abs_diff"] <= max(c["tolerance_of_scale"] * max(1.0, c["prefill"]["logits_max_abs"]),
+                                                      2 * c["reference_float64_noise"])
     # q, k, v, o, gate, up in each of the two blocks; down_proj stays fp32 (optimizer.quantize.ORT_INT8_ROLES)
     assert m["quantization"]["scheme"].startswith("onnxruntime dynamic INT8") and m["onnx"]["int8_matmuls"] == 2 * 6
     assert m["size"]["ideal_ratio_quantized"] > m["size"]["ideal_ratio"]
@@ -562,6 +563,20 @@ def test_optimize_onnx_int8_through_the_cli(tiny_dirs, text_file, tmp_path):
     zp = round(1.0 / s)
     torch.testing.assert_close(dynamic_quantize_linear(x), ((x / s).round() + zp).clamp(0, 255).sub(zp).mul(s))
     assert torch.equal(dynamic_quantize_linear(torch.zeros(3)), torch.zeros(3))
+    # the int8 weights onnxruntime wrote are those the twin was put on: [-m, m] for this CPU
+    from onnx import numpy_helper
+    from optimizer.quantize import ort_weight_max
+    quantized = [numpy_helper.to_array(i) for i in graph.graph.initializer if i.name.endswith("_quantized")]
+    assert quantized and max(int(abs(q.astype(int)).max()) for q in quantized) == ort_weight_max()
+
+
+def test_ort_weight_grid_follows_the_cpu(monkeypatch):
+    """onnxruntime's u8s8 kernel saturates on x86 without VNNI: the weights take its reduced range there."""
+    import optimizer.quantize as quantize
+    for flags, m in (({"avx2", "fma"}, 64), ({"avx2", "avx512f", "avx512_vnni"}, 127), ({"avx2", "avx_vnni"}, 127),
+                     (set(), 127)):
+        monkeypatch.setattr(quantize, "cpu_flags", lambda f=flags: f)
+        assert quantize.ort_weight_max() == m
 
 
 @pytest.mark.real_model
@@ -608,6 +623,7 @@ def test_real_model_onnx_int8_package(real_model_dir, tmp_path):
     assert c["prefill"]["logits_max_abs_diff"] <= 2 * c["reference_float64_noise"] or \
         c["prefill"]["logits_max_abs_diff"] <= 5e-2 * scale
     assert c["tolerance_of_scale"] < 0.3  # the twin's own float noise stays a fraction of the scale
+    assert c["positions_loosened_by_float_noise"] <= c["positions"] // 4  # and sets the limit at a few positions only
     assert c["greedy"]["matched"] == 32 or c["greedy"]["parted_at_near_tie"]
     assert m["onnx"]["int8_matmuls"] == 30 * 6 and m["onnx"]["bytes"] < 0.5 * 4 * m["size"]["params_dense"]
     assert m["size"]["ideal_ratio_quantized"] > 1.5 * m["size"]["ideal_ratio"]
