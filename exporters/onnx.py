@@ -133,7 +133,7 @@ def quantize_graph(src: Path, dst: Path, external_data: bool, roles: tuple[str, 
     files = [dst.name] + sorted(f.name for f in dst.parent.iterdir() if f.name.startswith(dst.name + "."))
     onnx.checker.check_model(str(dst))
     return {"files": files, "bytes": sum((dst.parent / f).stat().st_size for f in files),
-            "int8_matmuls": len(nodes)}
+            "int8_matmuls": len(nodes), "int8_weight_max": weight_max}
 
 
 def _example_inputs(dec: Decoder) -> tuple:
@@ -215,7 +215,8 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
         (tmp / genai.FILENAME).write_text(json.dumps(cfg, indent=2) + "\n")
     engine["onnxruntime_genai"] = {"config": genai.FILENAME} if reason is None else {"unsupported": reason}
     manifest["onnx"] = {k: graph[k] for k in ("files", "dtype", "opset", "external_data", "bytes", "weight_bytes",
-                                              "tied_embeddings", "head_dim", "uniform", "int8_matmuls") if k in graph}
+                                              "tied_embeddings", "head_dim", "uniform", "int8_matmuls", "int8_weight_max")
+                       if k in graph}
     if not graph["uniform"]:
         manifest["onnx"]["layers"] = graph["layers"]
     manifest.setdefault("checks", {})["onnx"] = checks

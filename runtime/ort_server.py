@@ -465,6 +465,31 @@ def _usage(req: Request) -> dict:
     return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
 
+def int8_saturation_warning(manifest: dict, flags: set[str] | None = None) -> str | None:
+    """A warning for an INT8 package whose weights use onnxruntime's full int8 grid, served on an x86
+    CPU without VNNI: there onnxruntime's u8s8 kernel adds pairs of products in a saturating int16,
+    and its answers drift from those the package was validated with. A package built on such a CPU
+    uses the reduced grid [-64, 64] (`int8_weight_max`), which does not saturate."""
+    graph = manifest.get("onnx") or {}
+    if not graph.get("int8_matmuls") or graph.get("int8_weight_max", 127) <= 64:
+        return None
+    flags = _cpu_flags() if flags is None else flags
+    if not flags or flags & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+        return None
+    return ("warning: this INT8 package's weights use the full int8 grid and this CPU has no VNNI, where "
+            "onnxruntime's kernel saturates: its answers drift from the validated ones. Rebuild the package "
+            "on this machine (it then takes onnxruntime's reduced range) or serve it on a CPU with VNNI.")
+
+
+def _cpu_flags() -> set[str]:
+    """x86 Linux's CPU feature flags; empty elsewhere (this file runs inside a package, without the optimizer)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Serve an ONNX package with onnxruntime (OpenAI-compatible completions).")
     ap.add_argument("package", type=Path)
@@ -476,6 +501,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not (args.package / "manifest.json").is_file():
         sys.exit(f"error: {args.package}: not a package (no manifest.json)")
+    warning = int8_saturation_warning(json.loads((args.package / "manifest.json").read_text()))
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     Handler.service = Service(args.package.resolve(), args.served_model_name, args.threads, args.max_batch)
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True

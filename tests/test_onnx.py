@@ -567,7 +567,8 @@ def test_optimize_onnx_int8_through_the_cli(tiny_dirs, text_file, tmp_path):
     from onnx import numpy_helper
     from optimizer.quantize import ort_weight_max
     quantized = [numpy_helper.to_array(i) for i in graph.graph.initializer if i.name.endswith("_quantized")]
-    assert quantized and max(int(abs(q.astype(int)).max()) for q in quantized) == ort_weight_max()
+    assert quantized and max(int(abs(q.astype(int)).max()) for q in quantized) == ort_weight_max() == \
+        m["onnx"]["int8_weight_max"]
 
 
 def test_ort_weight_grid_follows_the_cpu(monkeypatch):
@@ -577,6 +578,14 @@ def test_ort_weight_grid_follows_the_cpu(monkeypatch):
                      (set(), 127)):
         monkeypatch.setattr(quantize, "cpu_flags", lambda f=flags: f)
         assert quantize.ort_weight_max() == m
+    # a package with the full grid served on such a CPU: the server warns; with the reduced grid it does not
+    from runtime.ort_server import int8_saturation_warning
+    full, reduced = {"onnx": {"int8_matmuls": 12, "int8_weight_max": 127}}, {"onnx": {"int8_matmuls": 12, "int8_weight_max": 64}}
+    assert "no VNNI" in int8_saturation_warning(full, {"avx2"})
+    assert int8_saturation_warning(full, {"avx2", "avx512_vnni"}) is None
+    assert int8_saturation_warning(reduced, {"avx2"}) is None
+    assert int8_saturation_warning({"onnx": {"int8_matmuls": 12}}, {"avx2"})  # written before the grid was recorded
+    assert int8_saturation_warning({"onnx": {}}, {"avx2"}) is None  # an fp32 package
 
 
 @pytest.mark.real_model
