@@ -242,3 +242,24 @@ def test_bad_layout_is_one_line_and_writes_nothing(tiny_dirs, tmp_path, args, ms
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "cpu", *args, "-o", str(out)])
     assert r.exit_code == 2 and msg in r.output and len(r.output.strip().splitlines()) == 1
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cli_per_layer_int8_package_reads_back_as_the_model_it_evaluated(family, tiny_dirs, text_file, tmp_path):
+    """--layout per-layer --quant int8: both package formats (DeciLM for LLaMA, the plugin for Qwen3)
+    carry compressed-tensors' W8A8 checkpoint, which reads back with the perplexity the job reported."""
+    from optimizer import data, evaluate, load
+    out = tmp_path / "pkg"
+    r = _cli([tiny_dirs[family], "--target", "a100", "--method", "ddp", "--layout", "per-layer", "--retain", "0.6",
+              "--calib", text_file, "--eval", text_file, "--seq-len", "64", "--calib-windows", "4",
+              "--eval-windows", "1", "--steps", "5", "--no-heal", "--quant", "int8", "-o", out])
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    q = m["quantization"]
+    assert q["precision"] == "int8" and q["scheme"] == "W8A8" and q["linears"] == 2 * 7
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "int-quantized"
+    assert m["method"]["format"] == ("decilm" if family == "llama" else "plugin")
+    model, tok = load.load_model(load.resolve(str(out)))
+    windows = data.token_windows(tok, text_file.read_text(), 64, 1)
+    assert evaluate.perplexity(model, windows) == pytest.approx(m["quality"]["perplexity"]["pruned"], rel=2e-2)

@@ -58,6 +58,37 @@ def test_vllm_serves_the_pruned_real_model_in_int8_like_pytorch(real_package, to
     _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, INT8_KERNEL, dtype=INT8_DTYPE)
 
 
+def test_vllm_serves_an_int8_decilm_per_layer_package_like_the_quantized_model(tokenizer, tmp_path):
+    """A per-layer package in the DeciLM layout (2 query heads, KV heads 2 / 1 / 1, MLP widths 64 / 96 / 32: fused
+    q/k/v and gate/up row counts the AMX packing takes), INT8 W8A8: stock vLLM (no plugin, the
+    package's --trust-remote-code config class) answers like transformers on the same checkpoint."""
+    from exporters import per_layer
+    from optimizer.adapters import get_adapter
+    from optimizer.masks import BlockMask, Masks
+    from optimizer.surgery import prune_per_layer
+    model = _small_model("llama", len(tokenizer))
+    adapter = get_adapter(model.config)
+    masks = Masks([BlockMask([0, 2], [0, 1], list(range(64)), [0.9, 1.3], None),
+                   BlockMask([0, 1], [0], list(range(96)), None, [0.8] * 96),
+                   BlockMask([2, 3], [1], list(range(32, 64)), [1.2, 0.9], None)])
+    pruned = prune_per_layer(model, adapter, masks)
+    assert per_layer.choose(pruned, adapter.llama_layout)[0] == "decilm"
+    pruned = per_layer.convert(pruned, "decilm")
+    assert apply(pruned, "int8") == 3 * 7
+    tmp = tmp_path / ".pkg.tmp"
+    tmp.mkdir()
+    manifest = {"target": {"kind": "cpu"}, "engine": per_layer.engine_section("decilm", "cpu", 256, "tiny-decilm-int8")}
+    pkg = per_layer.write_package(tmp, tmp_path / "pkg", pruned, tokenizer, manifest, "# report\n", "decilm",
+                                  dtype=torch.float32)
+    assert json.loads((pkg / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"
+    hf = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # the offline run uses ignore_eos
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    got, log = _vllm_greedy(pkg, prompts, True, {"VLLM_PLUGINS": ""}, tmp_path / "vllm.log", dtype=INT8_DTYPE)
+    assert "Resolved architecture: DeciLMForCausalLM" in log and INT8_KERNEL in log, log[-3000:]
+    _same_up_to_near_ties(hf, prompts, got)
+
+
 def _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, kernel: str, dtype: str = "float32") -> None:
     """vLLM's greedy tokens on `pkg` against transformers' on the same checkpoint (near-ties
     allowed); `kernel`: a line vLLM's log must hold (the kernel or architecture it chose)."""
