@@ -108,13 +108,12 @@ ORT_INT8_ROLES = ("q", "k", "v", "o", "gate", "up")
 
 def ort_weight_max() -> int:
     """The int8 weight grid [-m, m] onnxruntime computes correctly on this CPU: 127, or 64 (its
-    `reduce_range`) on an x86 CPU without VNNI. There its u8s8 MatMulInteger kernel multiplies with
-    VPMADDUBSW, which adds two uint8 x int8 products into a saturating int16: 255 x 127 x 2 overflows
-    it, 255 x 64 x 2 does not (onnxruntime's quantization guide: reduce_range or U8U8 on such CPUs).
-    Without it the exporter's INT8 check fails there (SmolLM2-135M at 0.7: logits off by 3.6, twice
-    the tolerance). Non-x86 CPUs (no flags read) keep 127."""
-    flags = cpu_flags()
-    return 64 if flags and not flags & {"avx512_vnni", "avx_vnni", "amx_int8"} else 127
+    `reduce_range`) on an x86 CPU without VNNI (runtime/ort_server.saturates_full_int8_grid): there
+    255 x 127 x 2 overflows the int16 its kernel adds pairs of products into, 255 x 64 x 2 does not
+    (onnxruntime's quantization guide: reduce_range or U8U8 on such CPUs). Without it the exporter's
+    INT8 check fails there (SmolLM2-135M at 0.7: logits off by 3.6, twice the tolerance)."""
+    from runtime.ort_server import saturates_full_int8_grid
+    return 64 if saturates_full_int8_grid(cpu_flags()) else 127
 
 
 class OrtInt8:

@@ -252,6 +252,7 @@ class Service:
         from tokenizers import Tokenizer
         manifest = json.loads((package / "manifest.json").read_text())
         engine = manifest["engine"]
+        self.warning = int8_saturation_warning(manifest)
         self.name = served_name or engine["served_model_name"]
         self.max_model_len = int(engine.get("max_model_len", 2048))
         providers = [p for p in engine.get("providers", []) if p in ort.get_available_providers()]
@@ -465,16 +466,21 @@ def _usage(req: Request) -> dict:
     return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
 
+def saturates_full_int8_grid(flags: set[str]) -> bool:
+    """Whether onnxruntime's u8s8 MatMulInteger saturates with int8 weights on [-127, 127] on a CPU
+    with these flags: x86 without VNNI, where it adds two uint8 x int8 products into a saturating
+    int16 (VPMADDUBSW). No flags (not x86 Linux): taken as no."""
+    return bool(flags) and not flags & {"avx512_vnni", "avx_vnni", "amx_int8"}
+
+
 def int8_saturation_warning(manifest: dict, flags: set[str] | None = None) -> str | None:
-    """A warning for an INT8 package whose weights use onnxruntime's full int8 grid, served on an x86
-    CPU without VNNI: there onnxruntime's u8s8 kernel adds pairs of products in a saturating int16,
-    and its answers drift from those the package was validated with. A package built on such a CPU
-    uses the reduced grid [-64, 64] (`int8_weight_max`), which does not saturate."""
+    """A warning for an INT8 package whose weights use onnxruntime's full int8 grid, served on a CPU
+    where that saturates (`saturates_full_int8_grid`): its answers drift from those the package was
+    validated with. A package built on such a CPU uses the reduced grid [-64, 64] (`int8_weight_max`)."""
     graph = manifest.get("onnx") or {}
     if not graph.get("int8_matmuls") or graph.get("int8_weight_max", 127) <= 64:
         return None
-    flags = _cpu_flags() if flags is None else flags
-    if not flags or flags & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+    if not saturates_full_int8_grid(_cpu_flags() if flags is None else flags):
         return None
     return ("warning: this INT8 package's weights use the full int8 grid and this CPU has no VNNI, where "
             "onnxruntime's kernel saturates: its answers drift from the validated ones. Rebuild the package "
@@ -501,10 +507,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not (args.package / "manifest.json").is_file():
         sys.exit(f"error: {args.package}: not a package (no manifest.json)")
-    warning = int8_saturation_warning(json.loads((args.package / "manifest.json").read_text()))
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
     Handler.service = Service(args.package.resolve(), args.served_model_name, args.threads, args.max_batch)
+    if Handler.service.warning:
+        print(Handler.service.warning, file=sys.stderr, flush=True)
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
     print(f"serving {Handler.service.name} on http://{args.host}:{args.port}/v1 (onnxruntime {ort.__version__}, "
