@@ -198,9 +198,6 @@ def validate(cfg: OptimizeConfig) -> None:
                             f"not {cfg.quant}")
         if cfg.format == "onnx" and cfg.onnx_dtype != "float32":
             raise UserError("an INT8 ONNX package is quantized from the float32 graph: drop --onnx-dtype float16")
-        if cfg.layout != "uniform":
-            raise UserError("--quant with --layout per-layer is not written yet: DDP picks each block's widths channel "
-                            "by channel and the quantized kernels want multiples of 16 to 128; use the uniform layout")
         if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":
             raise UserError("--quant applies to structured packages; semi-structured ones are not quantized yet")
     h = cfg.heal

@@ -140,9 +140,6 @@ def _not_quantized(cfg: OptimizeConfig, plan, moe: bool = False) -> str | None:
         return "MoE packages are not quantized yet"
     if cfg.format != "vllm":
         return "ONNX packages keep fp32 weights unless asked (--quant int8: onnxruntime's dynamic INT8)"
-    if cfg.layout != "uniform":
-        return ("per-layer packages are not quantized yet (their widths are chosen channel by channel; the quantized "
-                "kernels want multiples of 16 to 128)")
     if plan.sparsity:
         return "2:4 packages keep 16-bit weights (vLLM's 2:4 kernels are unquantized)"
     return None

@@ -231,11 +231,31 @@ def test_cli_per_layer_end_to_end(tiny_dirs, text_file, tmp_path):
     assert shapes == meth["layer_shapes"]
 
 
+def test_cli_per_layer_int8_package_has_kernel_widths_and_reads_back_as_the_job_evaluated(tiny_dirs, text_file,
+                                                                                          tmp_path):
+    """`--layout per-layer --quant auto` on the CPU target: INT8 W8A8 in compressed-tensors' format, every
+    block's MLP width a multiple of budget.channel_multiple, and the package reads back (load, evaluate)
+    with the perplexity the job reported for the quantized model."""
+    from optimizer import budget, data, evaluate, load
+    out = tmp_path / "pkg"
+    r = _cli([tiny_dirs["llama"], "--target", "cpu", "--method", "ddp", "--layout", "per-layer", "--retain", "0.6",
+              "--quant", "auto", "--calib", text_file, "--eval", text_file, "--seq-len", "64", "--calib-windows", "4",
+              "--eval-windows", "1", "--steps", "5", "--no-heal", "-o", out])
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["quantization"]["precision"] == "int8" and m["method"]["layout"] == "per-layer"
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"
+    mult = budget.channel_multiple(json.loads((tiny_dirs["llama"] / "config.json").read_text())["intermediate_size"])
+    assert all(s["intermediate_size"] % mult == 0 for s in m["method"]["layer_shapes"])
+    model, tok = load.load_model(load.resolve(str(out)))
+    windows = data.token_windows(tok, text_file.read_text(), 64, 1)
+    assert evaluate.perplexity(model, windows) == pytest.approx(m["quality"]["perplexity"]["pruned"], rel=2e-2)
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--layout", "per-layer"], "needs --method ddp"),
     (["--layout", "per-layer", "--method", "activation"], "needs --method ddp"),
     (["--layout", "per-layer", "--method", "ddp", "--format", "onnx"], "vLLM packages only"),
-    (["--layout", "per-layer", "--method", "ddp", "--quant", "int8"], "per-layer is not written yet"),
     (["--layout", "diagonal", "--method", "ddp"], "unknown --layout"),
 ])
 def test_bad_layout_is_one_line_and_writes_nothing(tiny_dirs, tmp_path, args, msg):
@@ -247,8 +267,7 @@ def test_bad_layout_is_one_line_and_writes_nothing(tiny_dirs, tmp_path, args, ms
 
 @pytest.mark.parametrize("case", ["kv", "heads"])
 def test_int8_per_layer_package_reads_back_as_the_quantized_model(case, tmp_path):
-    """The formats are ready for quantized per-layer packages (the CLI refuses them until DDP picks
-    kernel-friendly widths): a DeciLM ("kv") and a plugin ("heads") package quantized to INT8 W8A8 by
+    """Both per-layer formats take quantized blocks: a DeciLM ("kv") and a plugin ("heads") package quantized to INT8 W8A8 by
     the quantize stage's `apply` carry compressed-tensors' checkpoint, which transformers reads back
     as the model that was quantized."""
     from optimizer.quantize import apply

