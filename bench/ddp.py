@@ -5,6 +5,7 @@
     .venv/bin/python bench/ddp.py --retain 0.7 --budget latency     # hardware-aware budget
     .venv/bin/python bench/ddp.py --retain 0.7 --beta 10 --out bench/results/ddp-probes/beta10b  # settings, a folder of their own
     .venv/bin/python bench/ddp.py --refit --resume --out bench/results/ddp-refit/run2  # the same gates, refitted
+    .venv/bin/python bench/ddp.py --retain 0.7 --layouts per-layer --quant int8 --resume --out ...  # the same gates, INT8
 
 Each run writes into a new folder bench/results/ddp/<date>-<commit>/ unless --out names one
 (packages: out/ddp/, or out/<--out's name>/).
@@ -64,6 +65,8 @@ def main() -> None:
     ap.add_argument("--refit", action="store_true",
                     help="every row (baseline too) with the least-squares refit of the kept o_proj / down_proj columns")
     ap.add_argument("--layouts", nargs="+", default=["per-layer", "uniform"], choices=["per-layer", "uniform"])
+    ap.add_argument("--quant", default="none", choices=["none", "int8", "fp8", "w4a16"],
+                    help="every row's precision (default none: the pruning methods alone); the perplexity is the quantized model's")
     ap.add_argument("--out", help="run folder (default: a new bench/results/ddp/<date>-<commit>)")
     args = ap.parse_args()
 
@@ -75,7 +78,7 @@ def main() -> None:
     protocol = {"target": args.target, "budget": args.budget, "steps": args.steps, "batch": args.batch,
                 "seq_len": args.seq_len, "lr": args.lr, "lr_end": args.lr_end,
                 "beta": args.beta, "calib": str(calib), "calib_windows": args.calib_windows,
-                "calib_dtype": args.calib_dtype, "refit": args.refit,
+                "calib_dtype": args.calib_dtype, "refit": args.refit, "quant": args.quant,
                 "eval": str(test), "eval_windows": args.eval_windows,
                 "torch_threads": args.threads, "seed": args.seed, **run}
     runs = [("activation", "uniform")] if not args.skip_baseline else []
@@ -108,14 +111,14 @@ def main() -> None:
                             beta=args.beta),
             threads=args.threads, seed=args.seed, calib_dtype=args.calib_dtype,
             refit=RefitSettings() if args.refit else None, resume=args.resume,
-            heal=HealSettings(tokens=0), quant="none"))["manifest"]  # the pruning methods, unhealed (bench/heal.py heals)
+            heal=HealSettings(tokens=0), quant=args.quant))["manifest"]  # the pruning methods, unhealed (bench/heal.py heals)
         q = m["quality"]["perplexity"]
         row = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),
                "shape": m["method"]["shape"], "retain_achieved": m["method"]["retain_achieved"],
                "retain_budget_achieved": m["method"]["retain_budget_achieved"],
                "ppl_dense": q["dense"], "ppl": q["pruned"], "excess_ppl": q["pruned"] - q["dense"],
                "ideal_ratio": m["size"]["ideal_ratio"], "training": m["method"].get("ddp"),
-               "refit": m["method"].get("refit"), **run}
+               "refit": m["method"].get("refit"), "quantization": m.get("quantization"), **run}
         # Runs of one level may come from separate processes (--layouts): this adds the row
         # to the file as it is now (another process's rows stay); the protocol is the
         # run's, the command and commit of each row its own.
@@ -132,7 +135,8 @@ def main() -> None:
 def _markdown(results: dict) -> str:
     p = results["protocol"]
     refit = " — every row refitted (--refit)" if p.get("refit") else ""
-    lines = [f"# DDP vs one-shot structured baseline ({p['budget']} budget, target {p['target']}){refit}", "",
+    quant = f" — every row quantized to {p['quant']} (its PPL the quantized model's)" if p.get("quant", "none") != "none" else ""
+    lines = [f"# DDP vs one-shot structured baseline ({p['budget']} budget, target {p['target']}){refit}{quant}", "",
              f"Perplexity on {Path(p['eval']).name} ({p['eval_windows']} windows of 2048); DDP trained "
              f"on {Path(p['calib']).name} (β, steps × sequences × tokens per step per row), starting from "
              f"the {p.get('ddp_start', 'baseline')} selection; torch threads {p['torch_threads']}. Each DDP row is its own "
