@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--out", help="run folder (default: a new bench/results/heal/DATE-COMMIT)")
+    ap.add_argument("--dense-from", help="a heal run folder measured on the same texts, windows and zero-shot documents: "
+                                         "its dense row is copied (marked measured_in) instead of measured again")
     ap.add_argument("--table", action="store_true", help="only rewrite --out's heal.md and heal.png from its heal.json")
     args = ap.parse_args()
     if args.table:
@@ -94,6 +96,8 @@ def main() -> None:
     dense, tok = load.load_model(source)
     c4 = data.token_windows(tok, data.read_text_file(c4_file, "c4 sample").text, 2048, args.eval_windows)
     test = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=Path(args.data))
+    if "dense" not in benchlib.read_result(path, {}) and args.dense_from:
+        benchlib.update_result(path, {"dense": _dense_from(Path(args.dense_from), protocol)})
     if "dense" not in benchlib.read_result(path, {}):
         row = {"wikitext2": evaluate.perplexity(dense, test, "dense: WikiText-2"),
                "c4": evaluate.perplexity(dense, c4, "dense: c4")}
@@ -140,6 +144,21 @@ def main() -> None:
     benchlib.write_markdown(out / "heal.md", markdown(result))
     plot(result, out / "heal.png")
     print(markdown(result))
+
+
+def _dense_from(folder: Path, protocol: dict) -> dict:
+    """The dense row of another run folder whose texts, windows and zero-shot documents are this one's."""
+    other = benchlib.read_result(folder / "heal.json")
+    if other is None or "dense" not in other:
+        raise SystemExit(f"error: --dense-from {folder}: no heal.json with a dense row there")
+    theirs = other["protocol"]
+    for key in ("eval_windows", "zeroshot", "eval", "c4"):
+        mine, their = protocol[key], theirs.get(key)
+        if key in ("eval", "c4"):
+            mine, their = Path(mine).name, Path(their or "").name
+        if mine != their:
+            raise SystemExit(f"error: --dense-from {folder}: its {key} is {their}, this run's {mine}")
+    return {**other["dense"], "measured_in": str(folder)}
 
 
 def _zeroshot(model, tok, args) -> dict:
