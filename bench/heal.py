@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--out", help="run folder (default: a new bench/results/heal/DATE-COMMIT)")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the finished (or continue the interrupted) DDP / RoI training and heal of the same "
+                         "settings from their checkpoints, keyed by content (the seconds then count only what ran)")
     ap.add_argument("--dense-from", help="a heal run folder measured on the same texts, windows and zero-shot documents: "
                                          "its dense row is copied (marked measured_in) instead of measured again")
     ap.add_argument("--table", action="store_true", help="only rewrite --out's heal.md and heal.png from its heal.json")
@@ -86,7 +89,7 @@ def main() -> None:
                 "zeroshot": {"tasks": TASKS, "limit": args.zeroshot_limit, "seed": args.zeroshot_seed},
                 "threads": args.threads}
     invocation = {"methods": args.methods, "retain": args.retain, "heal_tokens": args.heal_tokens,
-                  "heal_memory": args.heal_memory, **benchlib.run_info()}
+                  "heal_memory": args.heal_memory, "resume": args.resume, **benchlib.run_info()}
     # keyed by command and commit: the same command rerun at another commit is another invocation
     key = f"{invocation['command']} @ {(invocation.get('commit') or 'unknown')[:7]}"
     benchlib.update_result(path, {"protocol": {**protocol, "invocations": {key: invocation}},
@@ -123,6 +126,7 @@ def main() -> None:
                     target="a100" if method in STRUCTURED else "h100", method=method,
                     engine_version=None if method in STRUCTURED else "0.18.0", sparsity="2:4",
                     retain=retain or 0.7, layout=layout or "uniform", out=str(pkg), threads=args.threads,
+                    resume=args.resume,
                     data=DataConfig(calib=args.calib, eval=str(test_file), calib_windows=args.calib_windows,
                                     eval_windows=args.eval_windows),
                     ddp=DDPSettings(), quant="none",  # the 16-bit healed package (bench/quant.py quantizes)
