@@ -260,3 +260,23 @@ def test_benchlib_imports_only_the_standard_library():
             "print([m for m in ('torch', 'optimizer', 'serve', 'transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_heal_dense_from_copies_a_matching_dense_row_and_refuses_another_protocol(tmp_path):
+    """bench/heal.py --dense-from: the dense row of a folder measured on the same texts, windows and
+    zero-shot documents is copied, marked measured_in; any difference is a one-line refusal."""
+    spec = importlib.util.spec_from_file_location("bench_heal", ROOT / "bench" / "heal.py")
+    heal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(heal)
+    protocol = {"eval": "/a/wikitext2-raw-test.txt", "c4": "/b/c4.utf8", "eval_windows": 16,
+                "zeroshot": {"tasks": ["arc_easy"], "limit": 500, "seed": 1234}}
+    folder = tmp_path / "earlier"
+    folder.mkdir()
+    dense = {"wikitext2": 20.5, "c4": 32.4}
+    (folder / "heal.json").write_text(json.dumps({"protocol": {**protocol, "eval": "/other/wikitext2-raw-test.txt"},
+                                                  "dense": dense}))
+    assert heal._dense_from(folder, protocol) == {**dense, "measured_in": str(folder)}  # another machine's path
+    with pytest.raises(SystemExit, match="its eval_windows is 16, this run's 8"):
+        heal._dense_from(folder, {**protocol, "eval_windows": 8})
+    with pytest.raises(SystemExit, match="no heal.json"):
+        heal._dense_from(tmp_path, protocol)
