@@ -304,34 +304,21 @@ class DDP(GateTraining):
             _round_width(kc, zl, m)
         total = cost()
         # Rounding lifts a layer left with fewer than m channels to m: if that went over the
-        # budget, cut the weakest run of m kept channels (lowest mean z) until it fits.
-        while total > budget:
-            weakest = []
-            for l_, (kc, zl) in enumerate(zip(keep_c, z)):
-                if kc.sum() > m:
-                    kept = kc.nonzero().flatten()
-                    run = kept[zl[kept].argsort(stable=True)[:m]]
-                    weakest.append((zl[run].mean().item(), l_, run))
-            if not weakest:
+        # budget, cut the weakest runs of m kept channels until it fits. Then fill what is left
+        # of the budget with the best removed channels by z (at their `shipped_scales`), m at a
+        # time so that every width stays a multiple the kernels take. Heads dropped to equalise
+        # the groups leave budget over, and so do the rounding and a training that ends under
+        # the budget (λ lags the constraint both ways: SmolLM2 runs ended at 0.793 for 0.8 and
+        # 0.478 for 0.5).
+        for _, l_, run in _channel_runs(keep_c, z, m, removed=False):
+            if total <= budget:
                 break
-            _, l_, run = min(weakest, key=lambda t: t[0])
             keep_c[l_][run] = False
             total -= m * c.channel
-        # Fill what is left of the budget with the best removed channels by z (at their
-        # `shipped_scales`), m at a time so that every width stays a multiple the kernels take.
-        # Heads dropped to equalise the groups leave budget over, and so do the rounding and a
-        # training that ends under the budget (λ lags the constraint both ways: SmolLM2 runs
-        # ended at 0.793 for 0.8 and 0.478 for 0.5). A layer's removed channels, best first, in
-        # runs of m; the runs of all layers by their mean z (a layer's runs come in its order).
-        runs = []
-        for l_, (kc, zl) in enumerate(zip(keep_c, z)):
-            removed = (~kc).nonzero().flatten()
-            removed = removed[zl[removed].argsort(descending=True, stable=True)]
-            runs += [(zl[r].mean().item(), l_, r) for r in removed.split(m) if len(r) == m]
-        for _, l_, r in sorted(runs, key=lambda t: -t[0]):
+        for _, l_, run in _channel_runs(keep_c, z, m, removed=True):
             if total + m * c.channel > budget:
                 break
-            keep_c[l_][r] = True
+            keep_c[l_][run] = True
             total += m * c.channel
         blocks = []
         for kh, kc, h, x in zip(keep_h, keep_c, *self.shipped_scales()):
@@ -340,6 +327,20 @@ class DDP(GateTraining):
             kv = sorted({i // group for i in hi})
             blocks.append(BlockMask(hi, kv, ci, h[hi].tolist(), x[ci].tolist()))
         return Masks(blocks)
+
+
+def _channel_runs(keep_c: list[torch.Tensor], z: torch.Tensor, m: int, removed: bool) -> list:
+    """Runs of m channels in the order they are taken: each layer's removed channels best first
+    (to add), or its kept ones weakest first, never its last m (to cut); all layers' runs by
+    their mean z, best first to add, weakest first to cut (a layer's runs stay in its order).
+    [(mean z, layer, channel indices)]."""
+    runs = []
+    for l_, (kc, zl) in enumerate(zip(keep_c, z)):
+        idx = (~kc if removed else kc).nonzero().flatten()
+        idx = idx[zl[idx].argsort(descending=removed, stable=True)]
+        whole = [r for r in idx.split(m) if len(r) == m]
+        runs += [(zl[r].mean().item(), l_, r) for r in (whole if removed else whole[:(len(idx) - m) // m])]
+    return sorted(runs, key=lambda t: -t[0] if removed else t[0])
 
 
 def _round_width(keep: torch.Tensor, z: torch.Tensor, m: int) -> None:
