@@ -27,7 +27,7 @@ from optimizer.methods.activation import ActivationImportance
 from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts, peak_rss_gib
 from optimizer.refit import RefitStatistics
 from optimizer.sequential import calibration_dtype
-from optimizer.surgery import layer_shapes, masked, prune, prune_per_layer
+from optimizer.surgery import check_same_logits, layer_shapes, masked, prune, prune_per_layer
 
 
 def exporter(fmt: str):
@@ -82,14 +82,7 @@ class Structured:
                     f"{decision.extra['chosen']['retain']:.3f} of block parameters; package format: {why}")
         else:
             pruned = prune(model, adapter, masks)
-        held_out = job.calib.held_out[:, :256]
-        with torch.inference_mode(), masked(model, adapter, masks):
-            ref = model(held_out).logits
-        with torch.inference_mode():
-            max_diff = (pruned(held_out).logits - ref).abs().max().item()
-        if max_diff > 1e-3 * max(1.0, ref.abs().max().item()):
-            raise RuntimeError(f"internal check failed: pruned model differs from the masked model by {max_diff}")
-        decision.extra["max_diff"] = max_diff
+        decision.extra["max_diff"] = check_same_logits(pruned, masked(model, adapter, masks), job.calib.held_out)
         return pruned
 
     # --- the manifest's sections ------------------------------------------------------------------

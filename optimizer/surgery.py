@@ -60,6 +60,22 @@ def masked(model, adapter: DecoderAdapter, masks: Masks):
         yield model
 
 
+def check_same_logits(pruned, simulated, held_out: torch.Tensor,
+                      what: str = "pruned model differs from the masked model") -> float:
+    """The internal check after every surgery: the physically smaller model gives the logits the
+    dense model gives under `simulated` (a context manager: masks, skipped blocks or experts), to
+    1e-3 of the largest logit, on the first 256 held-out tokens (short: the check is seconds).
+    Returns the largest difference (the manifest records it)."""
+    tokens = held_out[:, :256]
+    with torch.inference_mode(), simulated as model:
+        ref = model(tokens, use_cache=False).logits
+    with torch.inference_mode():
+        max_diff = (pruned(tokens, use_cache=False).logits - ref).abs().max().item()
+    if max_diff > 1e-3 * max(1.0, ref.abs().max().item()):
+        raise RuntimeError(f"internal check failed: {what} by {max_diff}")
+    return max_diff
+
+
 @contextlib.contextmanager
 def block_hooks(block, adapter: DecoderAdapter, config, bm: BlockMask):
     """`masked` for one block: hooks scale the inputs of o_proj and down_proj per unit, or,

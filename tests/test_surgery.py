@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from optimizer.adapters import BlockShape, get_adapter
 from optimizer.methods.activation import ActivationImportance
 from optimizer.masks import BlockMask, Masks
-from optimizer.surgery import check_masks, masked, prune
+from optimizer.surgery import check_masks, check_same_logits, masked, prune
 from tests.conftest import FAMILIES, tiny_model
 
 SHAPES = [BlockShape(8, 2, 96), BlockShape(4, 2, 40), BlockShape(4, 1, 96), BlockShape(2, 2, 8), BlockShape(1, 1, 1)]
@@ -48,6 +48,19 @@ def test_masked_equals_pruned(family, tmp_path):
         again = AutoModelForCausalLM.from_pretrained(tmp_path / "p").eval()
         with torch.inference_mode():
             torch.testing.assert_close(again(x).logits, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_jobs_internal_check_passes_a_true_surgery_and_stops_a_wrong_one():
+    model = tiny_model("llama")
+    adapter = get_adapter(model.config)
+    imp = _importance(model, adapter)
+    held_out = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(3))
+    masks = imp.decide(BlockShape(4, 1, 40))
+    pruned = prune(model, adapter, masks)
+    assert check_same_logits(pruned, masked(model, adapter, masks), held_out) < 1e-4
+    other = prune(model, adapter, imp.decide(BlockShape(4, 1, 32)))  # not what these masks simulate
+    with pytest.raises(RuntimeError, match="internal check failed: pruned model differs from the masked model"):
+        check_same_logits(other, masked(model, adapter, masks), held_out)
 
 
 def test_pruned_params_match_adapter_count():
