@@ -157,7 +157,7 @@ class Depth:
     def surgery(self, job: Job, decision: Decision):
         model, adapter = job.model, job.adapter
         pruned = remove_blocks(model, adapter, decision.extra["keep"])
-        # 256 tokens, shorter than real sliding windows: the tests check layer_types
+        # the check reads 256 tokens, fewer than a sliding window spans: the tests check layer_types
         decision.extra["max_diff"] = check_same_logits(
             pruned, skipped(model, adapter, decision.extra["removed"]), job.calib.held_out,
             "the model without the removed blocks differs from the dense model skipping them")
