@@ -263,6 +263,32 @@ def _quant_peak(target: Profile, quant: str) -> float:
     return (tops or target.peak_bf16_dense_tflops) * 1e12
 
 
+def _step_times(target: Profile, blocks: int, embed: int, kv: int, attn_width: int, block_peak: float,
+                block_bytes: float, bytes_per_value: int, prompt_tokens: int, context_tokens: int) -> tuple:
+    """(prefill s, decode s at batch 1, at batch 16, weight bytes) on `target`: `blocks` block
+    weights, each `block_bytes` and multiplied at `block_peak` FLOP/s; the LM head (`embed`
+    values), attention and the KV cache in 16-bit at the bf16 peak. Each phase is
+    max(FLOPs / peak, bytes / bandwidth)."""
+    peak = target.peak_bf16_dense_tflops * 1e12
+    bw = target.memory_bandwidth_gbps * 1e9
+    weight_bytes = blocks * block_bytes + embed * bytes_per_value  # the LM head; an input embedding is looked up
+    L = prompt_tokens
+    prefill = max(2 * blocks * L / block_peak + (2 * embed * L + 2 * L * L * attn_width) / peak, weight_bytes / bw)
+
+    def decode(batch):
+        flops = batch * 2 * blocks / block_peak + batch * (2 * embed + 4 * context_tokens * attn_width) / peak
+        moved = weight_bytes + batch * context_tokens * kv * bytes_per_value
+        return max(flops, moved / bw)
+    return prefill, decode(1), decode(16), weight_bytes
+
+
+def _speedups(dense: tuple, pruned: tuple, prompt_tokens: int, context_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "context_tokens": context_tokens,
+            "prefill_speedup": dense[0] / pruned[0], "decode_speedup_b1": dense[1] / pruned[1],
+            "decode_speedup_b16": dense[2] / pruned[2], "weight_bytes_ratio": dense[3] / pruned[3],
+            "dense_decode_ms_b1": dense[1] * 1e3, "pruned_decode_ms_b1": pruned[1] * 1e3}
+
+
 def roofline(target: Profile, adapter: DecoderAdapter, config, shape: BlockShape,
              prompt_tokens: int = 512, context_tokens: int = 512, bytes_per_value: int = 2,
              quant: str = "none", quant_kernel: bool = True, layers: int | None = None) -> dict:
@@ -272,33 +298,21 @@ def roofline(target: Profile, adapter: DecoderAdapter, config, shape: BlockShape
     the quantized package is predicted as the 16-bit one. The embedding and LM head stay 16-bit;
     the bytes a step streams are the blocks' and the LM head's (an untied input embedding is only
     looked up: a row a token)."""
-    peak = target.peak_bf16_dense_tflops * 1e12
-    bw = target.memory_bandwidth_gbps * 1e9
     q = quant if quant_kernel else "none"
-    q_peak, q_bytes = _quant_peak(target, q), QUANT_BYTES[q]
 
     def times(s: BlockShape, quantized: bool, n_layers: int | None = None):
         matmul_params, kv, attn_width, embed = _model_cost(adapter, config, s, n_layers)
         blocks = matmul_params - embed                      # _model_cost counted the LM head in
-        b_peak, b_bytes = (q_peak, q_bytes) if quantized else (peak, bytes_per_value)
-        weight_bytes = blocks * b_bytes + embed * bytes_per_value  # the LM head; an input embedding is looked up
-        L = prompt_tokens
-        prefill = max(2 * blocks * L / b_peak + (2 * embed * L + 2 * L * L * attn_width) / peak, weight_bytes / bw)
+        block_peak, block_bytes = ((_quant_peak(target, q), QUANT_BYTES[q]) if quantized
+                                   else (target.peak_bf16_dense_tflops * 1e12, bytes_per_value))
+        return _step_times(target, blocks, embed, kv, attn_width, block_peak, block_bytes, bytes_per_value,
+                           prompt_tokens, context_tokens), blocks * block_bytes
 
-        def decode(batch):
-            flops = batch * 2 * blocks / b_peak + batch * (2 * embed + 4 * context_tokens * attn_width) / peak
-            moved = weight_bytes + batch * context_tokens * kv * bytes_per_value
-            return max(flops, moved / bw)
-        return prefill, decode(1), decode(16), weight_bytes, blocks * b_bytes
-
-    dense = times(adapter.dense_shape(config), False)
-    pruned = times(shape, q != "none", layers)
-    return {"prompt_tokens": prompt_tokens, "context_tokens": context_tokens, "precision": q,
+    dense, dense_block_bytes = times(adapter.dense_shape(config), False)
+    pruned, _ = times(shape, q != "none", layers)
+    return {**_speedups(dense, pruned, prompt_tokens, context_tokens), "precision": q,
             # what pruning can reach: a large vocabulary's head is bytes no block pruning removes
-            "block_bytes_share": dense[4] / dense[3],
-            "prefill_speedup": dense[0] / pruned[0], "decode_speedup_b1": dense[1] / pruned[1],
-            "decode_speedup_b16": dense[2] / pruned[2], "weight_bytes_ratio": dense[3] / pruned[3],
-            "dense_decode_ms_b1": dense[1] * 1e3, "pruned_decode_ms_b1": pruned[1] * 1e3}
+            "block_bytes_share": dense_block_bytes / dense[3]}
 
 
 def roofline_sparse(target: Profile, adapter: DecoderAdapter, config, kernel: bool,
@@ -308,27 +322,11 @@ def roofline_sparse(target: Profile, adapter: DecoderAdapter, config, kernel: bo
     plus 2 bits of position metadata per kept value: 0.5625 of the dense bytes in bf16)."""
     peak = target.peak_bf16_dense_tflops * 1e12
     sparse_peak = (target.peak_bf16_sparse24_tflops or target.peak_bf16_dense_tflops) * 1e12
-    bw = target.memory_bandwidth_gbps * 1e9
-    dense_shape = adapter.dense_shape(config)
-    blocks, kv, attn_width, embed = _model_cost(adapter, config, dense_shape)
+    blocks, kv, attn_width, embed = _model_cost(adapter, config, adapter.dense_shape(config))
     blocks -= embed                                          # _model_cost counted the LM head in
     byte_factor = (0.5 + 0.5 * 2 / 8 / bytes_per_value) if kernel else 1.0
-
-    def times(sparse: bool):
-        f, b = (byte_factor, sparse_peak) if sparse and kernel else (1.0, peak)
-        weight_bytes = (blocks * f + embed) * bytes_per_value  # the LM head; an input embedding is looked up
-        L = prompt_tokens
-        prefill = max(2 * blocks * L / b + (2 * embed * L + 2 * L * L * attn_width) / peak, weight_bytes / bw)
-
-        def decode(batch):
-            flops = batch * 2 * blocks / b + batch * (2 * embed + 4 * context_tokens * attn_width) / peak
-            moved = weight_bytes + batch * context_tokens * kv * bytes_per_value
-            return max(flops, moved / bw)
-        return prefill, decode(1), decode(16), weight_bytes
-
-    dense, sparse = times(False), times(True)
-    return {"prompt_tokens": prompt_tokens, "context_tokens": context_tokens,
-            "prefill_speedup": dense[0] / sparse[0], "decode_speedup_b1": dense[1] / sparse[1],
-            "decode_speedup_b16": dense[2] / sparse[2], "weight_bytes_ratio": dense[3] / sparse[3],
-            "dense_decode_ms_b1": dense[1] * 1e3, "pruned_decode_ms_b1": sparse[1] * 1e3,
-            "sparse_kernel": kernel}
+    dense = _step_times(target, blocks, embed, kv, attn_width, peak, bytes_per_value, bytes_per_value,
+                        prompt_tokens, context_tokens)
+    sparse = _step_times(target, blocks, embed, kv, attn_width, sparse_peak if kernel else peak,
+                         byte_factor * bytes_per_value, bytes_per_value, prompt_tokens, context_tokens)
+    return {**_speedups(dense, sparse, prompt_tokens, context_tokens), "sparse_kernel": kernel}
