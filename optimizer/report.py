@@ -105,6 +105,17 @@ def _blocks_lines(meth: dict) -> list[str]:
             "| kept | " + " | ".join("yes" if i in b["kept"] else "—" for i in range(b["dense"])) + " |"]
 
 
+def _serving_lines(eng: dict, check: str | None = None) -> list[str]:
+    """The Serving section of a vLLM package's report (`check`: what the internal check compared)."""
+    needs = f"; needs {eng['requires']}" if "requires" in eng else ""
+    return ["## Serving", "",
+            f"- engine: {eng['name']} (tested with {eng['tested_with']}){needs}",
+            f"- `./launch.sh` or `serve .` starts the OpenAI-compatible server with `{' '.join(eng['args'])}`",
+            # exporters/vllm.py writes the Dockerfile on this image
+            f"- `Dockerfile` builds the same on the official vLLM image v{eng.get('image_version', '0.32.0')}",
+            *([f"- internal check: {check}"] if check else []), ""]
+
+
 def check_reference(meth: dict) -> str:
     """What the physically pruned model was checked against (manifest checks.masked_vs_pruned_...)."""
     return "the dense model skipping the removed blocks" if "blocks" in meth else "masked"
@@ -137,13 +148,8 @@ def render(m: dict) -> str:
     lines += ["", "## Plan", "", "```", m["plan"]["text"], "```", "",
               "The roofline is a prediction from the target's datasheet numbers; "
               "`bench PACKAGE --baseline MODEL` measures the real ratio on your hardware.", "",
-              "## Serving", "",
-              f"- engine: {m['engine']['name']} (tested with {m['engine']['tested_with']})",
-              f"- `./launch.sh` or `serve .` starts the OpenAI-compatible server with "
-              f"`{' '.join(m['engine']['args'])}`",
-              "- `Dockerfile` builds the same on an official vLLM image",
-              f"- internal check: {check_reference(meth)} vs physically pruned logits differ by at most "
-              f"{m['checks']['masked_vs_pruned_max_abs_logit_diff']:.2e}", ""]
+              *_serving_lines(m["engine"], f"{check_reference(meth)} vs physically pruned logits differ by at "
+                                           f"most {m['checks']['masked_vs_pruned_max_abs_logit_diff']:.2e}")]
     return "\n".join(lines)
 
 
@@ -182,12 +188,8 @@ def render_experts(m: dict) -> str:
         f"predicts {p['decode_speedup_b1']:.2f}x at batch 1 and {p['decode_speedup_b16']:.2f}x at batch 16.",
         "", "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m),
         "", "## Plan", "", "```", m["plan"]["text"], "```", "",
-        "## Serving", "",
-        f"- engine: {eng['name']} (tested with {eng['tested_with']})",
-        f"- `./launch.sh` or `serve .` starts the OpenAI-compatible server with `{' '.join(eng['args'])}`",
-        "- `Dockerfile` builds the same on an official vLLM image",
-        f"- internal check: masked (removed experts' router logits at -inf) vs physically pruned logits "
-        f"differ by at most {m['checks']['masked_vs_pruned_max_abs_logit_diff']:.2e}", ""]
+        *_serving_lines(eng, f"masked (removed experts' router logits at -inf) vs physically pruned logits "
+                             f"differ by at most {m['checks']['masked_vs_pruned_max_abs_logit_diff']:.2e}")]
     return "\n".join(lines)
 
 
@@ -220,8 +222,5 @@ def render_sparse(m: dict) -> str:
         "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m),
     ]
     lines += ["", "## Plan", "", "```", m["plan"]["text"], "```", "",
-              "## Serving", "",
-              f"- engine: {eng['name']} (tested with {eng['tested_with']}); needs {eng['requires']}",
-              f"- `./launch.sh` or `serve .` starts the OpenAI-compatible server with `{' '.join(eng['args'])}`",
-              f"- `Dockerfile` builds the same on the official vLLM image v{eng.get('image_version', '0.32.0')}", ""]
+              *_serving_lines(eng)]
     return "\n".join(lines)

@@ -47,7 +47,9 @@ def test_optimize_writes_a_complete_package(tiny_dirs, text_file, tmp_path, fami
     assert m["checks"]["masked_vs_pruned_max_abs_logit_diff"] < 1e-3
     assert m["method"]["calibration"]["source"].startswith("file ")
     assert "no 2:4 kernel" in m["plan"]["text"] and "roofline on l4" in m["plan"]["text"]
-    assert "Perplexity" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "Perplexity" in report and "- internal check: masked vs physically pruned logits" in report
+    assert "- `Dockerfile` builds the same on the official vLLM image v" in report
     assert _leftovers(tmp_path) == []
 
 

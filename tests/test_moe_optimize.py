@@ -101,6 +101,7 @@ def test_optimize_writes_an_moe_package_with_fewer_experts(moe_dirs, text_file, 
     assert "quantization" not in m and m["quality"]["perplexity"]["pruned"] > 0
     report = (out / "report.md").read_text()
     assert "## Experts kept" in report and "share of routed-expert parameters kept" in report
+    assert "- internal check: masked (removed experts' router logits at -inf)" in report
     pruned = AutoModelForCausalLM.from_pretrained(out)
     adapter = get_adapter(pruned.config)
     assert adapter.num_experts(pruned.config) == 4 and adapter.experts_per_token(pruned.config) == TOP_K
