@@ -24,6 +24,11 @@ DOCKER_DIR = Path(__file__).resolve().parents[1] / "docker"
 from runtime.package import MANIFEST, SCHEMA, server_command
 
 
+def image_version(engine: dict) -> str:
+    """The official vLLM image the package's Dockerfile builds on (2:4 packages name an older one)."""
+    return engine.get("image_version", "0.32.0")
+
+
 def recommended_args(target_kind: str, max_model_len: int) -> list[str]:
     # Nothing GPU-specific: vLLM's CPU backend reads --gpu-memory-utilization as a fraction
     # of host memory and refuses to start when it is not free, so the engine default stays.
@@ -118,5 +123,5 @@ def _write_dockerfile(tmp: Path, target_kind: str, engine: dict) -> None:
     entry = server_command("/package", engine["served_model_name"], engine["args"], python="python3")
     env = "".join(f"ENV {k}={v}\n" for k, v in engine.get("env", {}).items())
     text = (template.read_text().replace("{{ENTRYPOINT}}", json.dumps(entry)).replace("{{ENV}}", env)
-            .replace("{{VLLM_VERSION}}", "v" + engine.get("image_version", "0.32.0")))
+            .replace("{{VLLM_VERSION}}", "v" + image_version(engine)))
     (tmp / "Dockerfile").write_text(text)

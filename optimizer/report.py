@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from exporters.vllm import image_version
+
 
 def _perplexity_line(q: dict | None) -> str:
     if not q:
@@ -111,8 +113,7 @@ def _serving_lines(eng: dict, check: str | None = None) -> list[str]:
     return ["## Serving", "",
             f"- engine: {eng['name']} (tested with {eng['tested_with']}){needs}",
             f"- `./launch.sh` or `serve .` starts the OpenAI-compatible server with `{' '.join(eng['args'])}`",
-            # exporters/vllm.py writes the Dockerfile on this image
-            f"- `Dockerfile` builds the same on the official vLLM image v{eng.get('image_version', '0.32.0')}",
+            f"- `Dockerfile` builds the same on the official vLLM image v{image_version(eng)}",
             *([f"- internal check: {check}"] if check else []), ""]
 
 
