@@ -128,7 +128,7 @@ def heal_seq_len(h: HealSettings, window: int) -> int:
 class OptimizeConfig:
     model: str | None = None          # HF dir, hub id, GGUF file; None = the embedded default
     target: str = "auto"              # a profile name, or auto (detect)
-    method: str = "auto"              # auto | structured | ddp | activation | semi-structured | a pruner
+    method: str = "auto"              # auto | structured | activation | ddp | depth | semi-structured | a pruner
     retain: float = 0.7               # structured: fraction of the blocks' parameters (or latency) kept
     sparsity: str = "2:4"             # semi-structured: N:M, or an unstructured fraction
     budget: str = "params"            # what --retain counts: params | latency (on the target)

@@ -1,7 +1,7 @@
 """`optimize(OptimizeConfig(...))`: the one-verb API the CLI wraps.
 
 validate the config → choose the target and the plan → (dry run: stop) → run the job of the
-plan's kind (structured or semi-structured, `optimizer/job.py`) into a temporary directory
+plan's kind (structured, semi-structured, depth or experts; `optimizer/job.py`) into a temporary directory
 that becomes the package only when complete.
 """
 
