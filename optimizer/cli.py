@@ -63,7 +63,7 @@ def one_line_errors(fn):
 @click.option("--ddp-lr", default=0.05, show_default=True, help="DDP: the gates' learning rate.")
 @click.option("--ddp-lr-end", type=float, help="DDP: the learning rate falls along a cosine to this (default: lr / 10 in the uniform layout, constant per layer).")
 @click.option("--ddp-beta", default=25.0, show_default=True, help="DDP: the augmented-Lagrangian penalty on the budget.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted DDP or RoI run from its checkpoint.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted DDP, RoI or heal training from its checkpoint (keyed by content: the same command).")
 @click.option("--si-steps", default=20, show_default=True, help="SI: optimisation steps per block.")
 @click.option("--roi-steps", default=120, show_default=True, help="RoI: mask-training steps (--roi-seq-len tokens each).")
 @click.option("--roi-seq-len", default=2048, show_default=True,

@@ -121,7 +121,7 @@ class Distillation(TrainedMethod):
     @torch.no_grad()
     def hold_zeros(self) -> None:
         for name, keep in self.keep.items():
-            self.params[name].mul_(keep)
+            self.params[name].masked_fill_(~keep, 0)
 
     def close(self) -> None:
         for p in self.student.parameters():
@@ -135,7 +135,7 @@ class Distillation(TrainedMethod):
         return {"config": asdict(self.cfg), "algorithm": ALGORITHM, "student": self.start_digest}
 
     def state(self) -> dict:
-        return {"params": {n: p.detach().clone() for n, p in self.params.items()}, "opt": self.opt.state_dict(),
+        return {"params": {n: p.detach() for n, p in self.params.items()}, "opt": self.opt.state_dict(),
                 "step": self.step_count, "rng": torch.get_rng_state()}
 
     def restore(self, state: dict) -> None:
@@ -192,7 +192,11 @@ def _sum_across_ranks(params: list[torch.Tensor], kd: float) -> float:
     dist.all_reduce(flat)
     offset = 0
     for p, g in zip(params, grads):
-        p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+        summed = flat[offset:offset + g.numel()].view_as(g)
+        if p.grad is None:
+            p.grad = summed.clone()
+        else:
+            p.grad.copy_(summed)
         offset += g.numel()
     return float(flat[-1])
 
@@ -211,9 +215,11 @@ def kd_loss_backward(student, teacher, input_ids: torch.Tensor, chunk: int, dtyp
     the student; the logits exist one chunk of `chunk` tokens at a time. Returns the mean KL."""
     autocast = torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     with torch.no_grad(), autocast:
-        t_hidden = teacher.get_decoder()(input_ids).last_hidden_state
+        t_hidden = teacher.get_decoder()(input_ids, use_cache=False).last_hidden_state
     with autocast:
-        s_hidden = student.get_decoder()(input_ids).last_hidden_state
+        # no KV cache: it would hold every block's keys and values, and a block recomputed in the
+        # backward pass (--heal-memory lean) would append to it a second time
+        s_hidden = student.get_decoder()(input_ids, use_cache=False).last_hidden_state
     h = s_hidden.detach().requires_grad_(True)
     n, total = input_ids.numel(), 0.0
     for i in range(0, input_ids.shape[1], chunk):
@@ -234,8 +240,8 @@ def kd_eval(student, teacher, windows: torch.Tensor, chunk: int = 256) -> float:
     """Mean KL(teacher ‖ student) per token over `windows`, without training."""
     total, n = 0.0, 0
     for w in windows.to(next(student.parameters()).device):
-        t_hidden = teacher.get_decoder()(w[None]).last_hidden_state
-        s_hidden = student.get_decoder()(w[None]).last_hidden_state
+        t_hidden = teacher.get_decoder()(w[None], use_cache=False).last_hidden_state
+        s_hidden = student.get_decoder()(w[None], use_cache=False).last_hidden_state
         for i in range(0, w.numel(), chunk):
             t_logp = F.log_softmax(head_logits(teacher, t_hidden[:, i:i + chunk]).float(), -1)
             s_logp = F.log_softmax(head_logits(student, s_hidden[:, i:i + chunk]).float(), -1)
@@ -252,7 +258,7 @@ def zero_masks(model, adapter) -> dict[str, torch.Tensor]:
         for lin in adapter.linears(block).values():
             w = lin.weight.detach()
             if (w == 0).any():
-                keep[names[id(lin.weight)]] = (w != 0).to(w.dtype)
+                keep[names[id(lin.weight)]] = w != 0  # bool: a byte a weight, not a weight's copy
     return keep
 
 
@@ -311,6 +317,8 @@ def heal(job, model):
     back to the CPU, where the stages after this one expect them."""
     device = heal_device(job.cfg.heal.device)
     model.to(device)
+    if job.cfg.heal.memory == "lean":  # the teacher only runs forward passes: bf16 halves it (cast
+        job.teacher.to(torch.bfloat16)  # before the move, so that no fp32 copy reaches the GPU)
     job.teacher.to(device)
     try:
         return _heal(job, model, device)
@@ -339,8 +347,6 @@ def _heal(job, model, device: torch.device):
     peaks = [s.lr] if s.lr is not None else [lr, lr / RETRY_LR_DIVISOR]
     dtype = str(calibration_dtype(cfg.calib_dtype, device)).removeprefix("torch.")
     keep = zero_masks(model, job.adapter) if job.plan.sparsity else None
-    if s.memory == "lean":  # the teacher only runs forward passes (under autocast): bf16 halves it
-        job.teacher.to(torch.bfloat16)
     before = {}
     if job.evaluation is not None:
         before["perplexity"] = evaluate.perplexity(model, job.evaluation.windows, "perplexity (before healing)")
@@ -355,8 +361,11 @@ def _heal(job, model, device: torch.device):
     attempts = []
     for peak in peaks:
         time_left = None if s.time_s is None else s.time_s - (time.time() - started)
+        time_left = distributed.broadcast_object(time_left)  # rank 0's clock: every rank retries or none
         if attempts and time_left is not None and time_left <= 0:
             break
+        if attempts:
+            job.log(f"trying a lower learning rate: {peak:.1e}")
         hcfg = HealConfig(steps=steps, lr=peak, lr_end=peak * lr_end / lr, seed=cfg.seed, dtype=dtype,
                           optimizer=optimizer, checkpointing=s.memory == "lean")
         distil = Distillation(model, job.teacher, hcfg, keep, blocks=job.adapter.blocks(model))
@@ -379,8 +388,7 @@ def _heal(job, model, device: torch.device):
         with torch.no_grad():
             for n, p in distil.params.items():
                 p.copy_(unhealed[n])
-        job.log(f"healing at lr {peak:.1e} made the held-out KL worse: back to the unhealed weights"
-                + ("; trying a lower learning rate" if peak != peaks[-1] else ""))
+        job.log(f"healing at lr {peak:.1e} made the held-out KL worse: back to the unhealed weights")
     if world > 1:
         job.log(f"healed on {world} processes, {batch // world} sequence(s) each a step")
     if kept_unhealed:
@@ -467,23 +475,35 @@ def read_heal_file(path: str, tok) -> str:
     return "\n\n".join(pieces)
 
 
-def eval_overlap(heal_text: str, eval_text: str, min_chars: int = 40) -> float:
+def eval_overlap(heal_text: str, eval_text: str, min_chars: int = 40, n: int = 8) -> float:
     """The fraction of the evaluation text's lines (of at least `min_chars`) that the heal text
-    contains: training on them would make the reported perplexity a memory test."""
-    lines = {ln.strip() for ln in eval_text.splitlines() if len(ln.strip()) >= min_chars}
+    contains, whatever its line breaks and spacing (a line inside a longer one, a paragraph
+    reflowed; JSONL records are checked as rendered): a line counts when each of its runs of `n` words occurs in
+    the heal text. Training on them would make the reported perplexity a memory test."""
+    lines = [ln.split() for ln in eval_text.splitlines() if len(ln.strip()) >= min_chars]
     if not lines:
         return 0.0
-    heal_lines = {ln.strip() for ln in heal_text.splitlines()}
-    return len(lines & heal_lines) / len(lines)
+    words = heal_text.split()
+    runs: dict[int, set[int]] = {}  # run length k -> the heal text's runs of k words (hashed)
+
+    def occurs(run: list[str]) -> bool:
+        k = len(run)
+        if k not in runs:
+            runs[k] = {hash(tuple(words[i:i + k])) for i in range(len(words) - k + 1)}
+        return hash(tuple(run)) in runs[k]
+
+    def contained(line: list[str]) -> bool:
+        k = min(n, len(line))  # a line of fewer than n words: as a whole
+        return all(occurs(line[i:i + k]) for i in range(len(line) - k + 1))
+    return sum(map(contained, lines)) / len(lines)
 
 
 @torch.no_grad()
 def teacher_chat(teacher, tok, n: int, seed: int, max_new_tokens: int = 128, batch: int = 64) -> str:
     """`n` chat turns: built-in instructions (cycled) and the teacher's sampled answers, rendered
     with the chat template, as one text. Batched wide: a decoding step reads every weight once
-    whatever the batch, so one wide batch costs far less than several narrow ones (SmolLM2 on 2
-    CPU cores: 40 answers of 160 tokens took 192 s in batches of 8, 104 s in one). 128 tokens an
-    answer (about 80 s) is part of what keeps the default job within 15 minutes there."""
+    whatever the batch, so one wide batch costs far less than several narrow ones; 128 tokens an
+    answer keeps the default job within its 15 minutes on 2 CPU cores (README, "Healing")."""
     if not getattr(tok, "chat_template", None):
         from optimizer.errors import UserError
         raise UserError("--heal-chat needs a model with a chat template")
@@ -499,6 +519,8 @@ def teacher_chat(teacher, tok, n: int, seed: int, max_new_tokens: int = 128, bat
         width = max(len(x) for x in ids)
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        device = next(teacher.parameters()).device
+        input_ids, mask = input_ids.to(device), mask.to(device)
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
         out = teacher.generate(input_ids, attention_mask=mask, do_sample=True, temperature=0.7, top_p=0.9,
                                max_new_tokens=max_new_tokens, pad_token_id=pad)

@@ -189,23 +189,24 @@ class Job:
         return {"mean": r["mean"], "tasks": {k: v["score"] for k, v in r["tasks"].items()}}
 
     def check_heal_data(self) -> None:
-        """The evaluation text is never trained on: refuse heal data that holds it, warn at a trace."""
-        from optimizer.heal import eval_overlap, heal_chunks
-        if self.evaluation is None:
-            return
-        files = self.cfg.heal.data
-        if files:
-            from optimizer.heal import read_heal_file
-            text, what = "\n".join(read_heal_file(p, self.tok) for p in files), "--heal-data"
-        else:
-            text, what = self.calib.text.text, "the calibration text (the heal data by default)"
-        share = eval_overlap(text, self.evaluation.text)
-        if share > 0.05:
-            raise UserError(f"{what} contains {share:.0%} of the evaluation text's lines; healing on it would make "
-                            f"the reported perplexity a memory test: use other heal data or another --eval")
-        if share > 0:
-            self.log(f"warning: {what} contains {share:.1%} of the evaluation text's lines")
-        self.heal_data = heal_chunks(self)  # too little text is a one-line error now, not after pruning
+        """The heal text, tokenized before pruning (too little is a one-line error now, not after),
+        and never the evaluation text: heal data that holds it is refused, a trace warned of."""
+        from optimizer.heal import eval_overlap, heal_chunks, read_heal_file
+        if not distributed.is_main():
+            return  # rank 0's heal text is broadcast to the others (heal._heal)
+        if self.evaluation is not None:
+            files = self.cfg.heal.data
+            if files:
+                text, what = "\n".join(read_heal_file(p, self.tok) for p in files), "--heal-data"
+            else:
+                text, what = self.calib.text.text, "the calibration text (the heal data by default)"
+            share = eval_overlap(text, self.evaluation.text)
+            if share > 0.05:
+                raise UserError(f"{what} contains {share:.0%} of the evaluation text's lines; healing on it would "
+                                f"make the reported perplexity a memory test: use other heal data or another --eval")
+            if share > 0:
+                self.log(f"warning: {what} contains {share:.1%} of the evaluation text's lines")
+        self.heal_data = heal_chunks(self)
 
     def quality(self, model) -> dict:
         """The manifest's quality: perplexity (and with --zeroshot the zero-shot scores), dense

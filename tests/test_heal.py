@@ -332,6 +332,17 @@ def test_heal_data_holding_the_evaluation_text_is_refused(tiny_dirs, text_file, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_overlap_check_finds_the_evaluation_text_reflowed_or_inside_other_text():
+    from optimizer.heal import eval_overlap
+    lines = [f"line {i}: the quick brown fox jumps over the lazy dog number {i} again" for i in range(10)]
+    evaluation = "\n".join(lines + ["short"])  # a line under 40 characters is not counted
+    reflowed = " ".join(lines[:5]).replace(" over ", "\n over ")  # five lines, rejoined and rebroken
+    assert eval_overlap(reflowed, evaluation) == 0.5
+    assert eval_overlap("before it, " + lines[3] + " and after it", evaluation) == 0.1  # inside a longer line
+    assert eval_overlap(lines[3].replace("lazy", "sleepy"), evaluation) == 0.0  # a changed word: not the line
+    assert eval_overlap("\n".join(lines), "no line here is long enough") == 0.0
+
+
 def _heal_three_steps(rank: int, world: int, init: str, out: str) -> None:
     """One rank of a data-parallel heal (gloo on CPU); world 1 is the single process."""
     import torch.distributed as dist
