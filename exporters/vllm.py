@@ -64,6 +64,21 @@ def sparse24_quantization_config(global_sparsity: float) -> dict:
 DENSE_FALLBACK_ARGS = ["--hf-overrides", json.dumps({"quantization_config": None})]
 
 
+# What a quantized Linear writes besides its bias: its integer / fp8 / packed weight and the scales
+# the quantization computed (kept fp32: the served model's are then the evaluated model's).
+QUANTIZED_TENSORS = {"weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx"}
+
+
+def _cast_unquantized(model, dtype: torch.dtype) -> None:
+    """Every floating tensor to `dtype` but a quantized Linear's weight and scales (`Module.to`
+    would cast fp8 weights too: torch counts float8 as floating point)."""
+    for module in model.modules():
+        quantized = getattr(module, "quantization_scheme", None) is not None
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if t.is_floating_point() and not (quantized and name in QUANTIZED_TENSORS):
+                t.data = t.data.to(dtype)
+
+
 def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report_md: str,
                   dtype: torch.dtype = torch.bfloat16, config_extra: dict | None = None,
                   finish_checkpoint=None) -> Path:
@@ -81,7 +96,7 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
         from compressed_tensors.compressors import ModelCompressor
         compressor = ModelCompressor.from_pretrained_model(model)
         compressor.compress_model(model)
-    model = model.to(dtype)  # floating tensors only: int8 weights stay int8
+    _cast_unquantized(model, dtype)
     model.config.dtype = dtype
     model.save_pretrained(tmp, safe_serialization=True)
     if compressor is not None:

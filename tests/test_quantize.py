@@ -88,6 +88,7 @@ def test_optimize_writes_an_int8_package_that_loads_and_matches_the_quantized_mo
     assert q["smoothing"]["alpha"] == 0.5 and q["smoothing"]["tokens"] == 2 * 64
     assert m["size"]["ideal_ratio_quantized"] > m["size"]["ideal_ratio"]
     assert "- quantization: W8A8" in (out / "report.md").read_text()
+    _assert_checkpoint_dtypes(out, torch.int8)
     # the package reads back (evaluate, bench) as the model the job evaluated: same perplexity
     model, _ = load.load_model(load.resolve(str(out)))
     from optimizer import data, evaluate
@@ -164,6 +165,34 @@ def test_optimize_writes_a_w4a16_package_that_loads_as_the_model_it_evaluated(ti
     from optimizer import data, evaluate
     tok = load.load_model(load.resolve(str(tiny_dirs["llama"])))[1]
     windows = data.token_windows(tok, text_file.read_text(), 64, 1)
+    assert evaluate.perplexity(model, windows) == pytest.approx(m["quality"]["perplexity"]["pruned"], rel=2e-2)
+
+
+
+def _assert_checkpoint_dtypes(out, weight_dtype):
+    """The package's quantized weights in their own dtype, their scales fp32 (the evaluated
+    model's), everything else bf16."""
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    names = {"int8": "I8", "float8_e4m3fn": "F8_E4M3"}
+    assert dtypes["model.layers.0.mlp.down_proj.weight"] == names[str(weight_dtype).removeprefix("torch.")]
+    assert dtypes["model.layers.0.mlp.down_proj.weight_scale"] == "F32"
+    assert dtypes["model.embed_tokens.weight"] == dtypes["model.norm.weight"] == "BF16"
+
+
+def test_optimize_writes_an_fp8_package_in_fp8(tiny_dirs, text_file, tmp_path):
+    """FP8 weights stay fp8 in the checkpoint (a cast of the whole model would make them bf16 again)."""
+    out = tmp_path / "pkg"
+    r = _optimize(tiny_dirs, text_file, out, "--target", "h100", "--quant", "fp8")
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "float-quantized"
+    _assert_checkpoint_dtypes(out, torch.float8_e4m3fn)
+    model, _ = load.load_model(load.resolve(str(out)))
+    from optimizer import data, evaluate
+    tok = load.load_model(load.resolve(str(tiny_dirs["llama"])))[1]
+    windows = data.token_windows(tok, text_file.read_text(), 64, 1)
+    m = json.loads((out / "manifest.json").read_text())
     assert evaluate.perplexity(model, windows) == pytest.approx(m["quality"]["perplexity"]["pruned"], rel=2e-2)
 
 
