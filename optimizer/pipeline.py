@@ -53,6 +53,9 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         check_moe(cfg, adapter)
         planner.for_experts(plan, cfg.method, adapter.family)
     planner.choose_quant(plan, cfg.quant, not_quantized=_not_quantized(cfg, plan, moe))
+    if cfg.format == "onnx" and plan.quant == "int8":  # not vLLM's kernel table: onnxruntime's own INT8
+        plan.quant_reason = ("--quant int8 requested: onnxruntime's dynamic INT8 (MatMulInteger, run by "
+                             "onnxruntime on the CPU), whatever kernels the target's GPU has")
     if cfg.format == "onnx" and not adapter.onnx_export:
         raise UserError(f"{adapter.family}: ONNX export covers the LLaMA-shaped families "
                         f"({', '.join(onnx_families())}); use --format vllm")

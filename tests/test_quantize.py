@@ -215,6 +215,10 @@ def test_a_precision_without_a_kernel_says_so_in_the_plan(tiny_dirs, text_file, 
     assert "quantization: FP8 W8A8" in r.output and "has no FP8 W8A8 kernel on A100: expect no speedup" in r.output
     r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--target", "v100", "--quant", "auto", "--dry-run")
     assert "quantization: 16-bit weights" in r.output and "no FP8 or INT8 W8A8 kernel" in r.output
+    # an ONNX package's INT8 is onnxruntime's, whatever vLLM has on the target's GPU
+    r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--target", "b200", "--quant", "int8", "--format", "onnx",
+                  "--dry-run")
+    assert r.exit_code == 0 and "onnxruntime's dynamic INT8" in r.output and "expect no speedup" not in r.output
 
 
 def test_the_roofline_counts_the_quantized_bytes_and_flops(tiny_dirs, text_file, tmp_path):
