@@ -173,10 +173,9 @@ def _zeroshot(model, tok, args) -> dict:
 
 def _method_wall(m: dict) -> float | None:
     meth = m["method"]
-    for key in ("ddp", "roi"):
-        if key in meth:
-            return meth[key]["wall_s"]
-    return meth.get("wall_s")
+    if "ddp" in meth:  # the gates' training alone
+        return meth["ddp"]["wall_s"]
+    return meth.get("wall_s")  # the method's whole stage (RoI: its prior and training)
 
 
 def _heal_summary(m: dict) -> dict | None:
