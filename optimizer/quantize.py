@@ -201,7 +201,6 @@ def quantizes_activations(precision: str) -> bool:
 def w4_group(model, adapter) -> int:
     """The 4-bit group size: the largest of W4_GROUPS that every block Linear's input width divides
     (SmolLM2's hidden size 576 is not a multiple of 128, so it gets 64). UserError if none does."""
-    from optimizer.errors import UserError
     widths = {lin.in_features for b in adapter.blocks(model) for lin in adapter.linears(b).values()}
     for g in W4_GROUPS:
         if all(k % g == 0 for k in widths):
