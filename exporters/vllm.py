@@ -26,7 +26,8 @@ from runtime.package import MANIFEST, SCHEMA, server_command
 
 def image_version(engine: dict) -> str:
     """The official vLLM image the package's Dockerfile builds on (2:4 packages name an older one)."""
-    return engine.get("image_version", "0.32.0")
+    from optimizer.plan import DEFAULT_VLLM
+    return engine.get("image_version", DEFAULT_VLLM)
 
 
 def recommended_args(target_kind: str, max_model_len: int) -> list[str]:

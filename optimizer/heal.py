@@ -109,6 +109,7 @@ class Distillation(TrainedMethod):
                                    scale=1 / len(input_ids)) / len(input_ids)
         if world > 1:
             kd = _sum_across_ranks(list(self.params.values()), kd)
+        self.drop_zeros_grads()  # before clipping: the held zeros' gradients would shrink the kept weights' steps
         norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.grad_clip)
         lr = self.lr()
         for group in self.opt.param_groups:
@@ -117,6 +118,13 @@ class Distillation(TrainedMethod):
         self.hold_zeros()
         self.step_count += 1
         return {"kd": kd, "lr": lr, "grad_norm": float(norm)}
+
+    @torch.no_grad()
+    def drop_zeros_grads(self) -> None:
+        for name, keep in self.keep.items():
+            grad = self.params[name].grad
+            if grad is not None:
+                grad.masked_fill_(~keep, 0)
 
     @torch.no_grad()
     def hold_zeros(self) -> None:
@@ -410,15 +418,16 @@ def _heal(job, model, device: torch.device):
     return model
 
 
-def heal_chunks(job) -> tuple[torch.Tensor, str]:
-    """The heal text in sequences of --heal-seq-len tokens, and what it is: the --heal-data files,
-    else the calibration text (without its held-out window); with --heal-chat, a quarter of the
-    sequences are the teacher's own chat answers (repeated as needed)."""
+def heal_chunks(job, files_text: str | None = None) -> tuple[torch.Tensor, str]:
+    """The heal text in sequences of --heal-seq-len tokens, and what it is: the --heal-data files
+    (`files_text`, where the caller has read them already), else the calibration text (without its
+    held-out window); with --heal-chat, a quarter of the sequences are the teacher's own chat
+    answers (repeated as needed)."""
     from optimizer import data
     from optimizer.config import heal_seq_len
     s = job.cfg.heal
     if s.data:
-        text = "\n\n".join(read_heal_file(p, job.tok) for p in s.data)
+        text = files_text if files_text is not None else heal_files_text(s.data, job.tok)
         chunks, what = data.token_windows(job.tok, text, s.seq_len), "files " + ", ".join(str(p) for p in s.data)
     else:
         train = job.calib.train
@@ -442,6 +451,10 @@ def chat_answers(s, tok) -> int:
     if s.chat is not None:
         return s.chat
     return AUTO_CHAT if getattr(tok, "chat_template", None) else 0
+
+
+def heal_files_text(paths, tok) -> str:
+    return "\n\n".join(read_heal_file(p, tok) for p in paths)
 
 
 def read_heal_file(path: str, tok) -> str:

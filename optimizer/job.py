@@ -191,13 +191,14 @@ class Job:
     def check_heal_data(self) -> None:
         """The heal text, tokenized before pruning (too little is a one-line error now, not after),
         and never the evaluation text: heal data that holds it is refused, a trace warned of."""
-        from optimizer.heal import eval_overlap, heal_chunks, read_heal_file
+        from optimizer.heal import eval_overlap, heal_chunks, heal_files_text
         if not distributed.is_main():
             return  # rank 0's heal text is broadcast to the others (heal._heal)
+        files = self.cfg.heal.data
+        files_text = heal_files_text(files, self.tok) if files else None  # read once: checked, then tokenized
         if self.evaluation is not None:
-            files = self.cfg.heal.data
             if files:
-                text, what = "\n".join(read_heal_file(p, self.tok) for p in files), "--heal-data"
+                text, what = files_text, "--heal-data"
             else:
                 text, what = self.calib.text.text, "the calibration text (the heal data by default)"
             share = eval_overlap(text, self.evaluation.text)
@@ -206,7 +207,7 @@ class Job:
                                 f"make the reported perplexity a memory test: use other heal data or another --eval")
             if share > 0:
                 self.log(f"warning: {what} contains {share:.1%} of the evaluation text's lines")
-        self.heal_data = heal_chunks(self)
+        self.heal_data = heal_chunks(self, files_text)
 
     def quality(self, model) -> dict:
         """The manifest's quality: perplexity (and with --zeroshot the zero-shot scores), dense

@@ -139,11 +139,14 @@ def test_semi_structured_zeros_stay_zero_bit_for_bit():
     for opt in ("adamw", "adafactor"):  # --heal-memory fast and lean
         distil = Distillation(student, teacher, HealConfig(steps=5, lr=1e-2, optimizer=opt), keep)
         for i in range(5):
-            distil.step(_data(teacher, 2, 32, seed=i))
+            stats = distil.step(_data(teacher, 2, 32, seed=i))
         params = dict(student.named_parameters())
         for n, z in zeros.items():
             assert (params[n][z] == 0).all() and not torch.equal(params[n], start[n]), opt
+            assert (params[n].grad[z] == 0).all(), opt  # nor do they count in the clipped gradient norm
             assert parse("2:4").complies(params[n].detach().to(torch.bfloat16))
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in distil.params.values()]))
+        assert float(norm) == pytest.approx(min(stats["grad_norm"], distil.cfg.grad_clip), rel=1e-4), opt
 
 
 def test_resume_continues_the_same_run(tmp_path):
