@@ -151,18 +151,23 @@ def main() -> None:
 
 
 def _dense_from(folder: Path, protocol: dict) -> dict:
-    """The dense row of another run folder whose texts, windows and zero-shot documents are this one's."""
+    """The dense row of another run folder whose texts, windows and zero-shot documents are this one's
+    (a run without zero-shot takes the row without its zero-shot scores)."""
     other = benchlib.read_result(folder / "heal.json")
     if other is None or "dense" not in other:
         raise SystemExit(f"error: --dense-from {folder}: no heal.json with a dense row there")
-    theirs = other["protocol"]
+    theirs, dense = other["protocol"], dict(other["dense"])
+    no_zeroshot = not protocol["zeroshot"]["limit"]
     for key in ("eval_windows", "zeroshot", "eval", "c4"):
         mine, their = protocol[key], theirs.get(key)
         if key in ("eval", "c4"):
             mine, their = Path(mine).name, Path(their or "").name
+        if key == "zeroshot" and no_zeroshot:
+            dense.pop("zeroshot", None)
+            continue
         if mine != their:
             raise SystemExit(f"error: --dense-from {folder}: its {key} is {their}, this run's {mine}")
-    return {**other["dense"], "measured_in": str(folder)}
+    return {**dense, "measured_in": str(folder)}
 
 
 def _zeroshot(model, tok, args) -> dict:

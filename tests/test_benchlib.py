@@ -278,5 +278,11 @@ def test_heal_dense_from_copies_a_matching_dense_row_and_refuses_another_protoco
     assert heal._dense_from(folder, protocol) == {**dense, "measured_in": str(folder)}  # another machine's path
     with pytest.raises(SystemExit, match="its eval_windows is 16, this run's 8"):
         heal._dense_from(folder, {**protocol, "eval_windows": 8})
+    with pytest.raises(SystemExit, match="its zeroshot is"):
+        heal._dense_from(folder, {**protocol, "zeroshot": {"tasks": ["arc_easy"], "limit": 100, "seed": 1234}})
+    # a run without zero-shot (--zeroshot-limit 0) takes the dense row without its zero-shot scores
+    (folder / "heal.json").write_text(json.dumps({"protocol": protocol, "dense": {**dense, "zeroshot": {"mean": 0.5}}}))
+    no_zeroshot = {**protocol, "zeroshot": {"tasks": ["arc_easy"], "limit": 0, "seed": 1234}}
+    assert heal._dense_from(folder, no_zeroshot) == {**dense, "measured_in": str(folder)}
     with pytest.raises(SystemExit, match="no heal.json"):
         heal._dense_from(tmp_path, protocol)
