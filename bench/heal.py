@@ -206,8 +206,10 @@ def markdown(r: dict) -> str:
     header = ["method", "retain", "heal tokens", "WikiText-2 PPL", "× dense", "c4 PPL", "× dense",
               "zero-shot mean", "method s (DDP / RoI training, 2:4 pruning)", "heal s", "optimize s"]
     return (f"# Heal on SmolLM2-135M\n\nPerplexity on {p['eval_windows']} × 2048 tokens of WikiText-2 test and of "
-            f"exllamav2's c4 sample; zero-shot mean of {', '.join(TASKS)} ({p['zeroshot']['limit']} documents each, "
-            f"seed {p['zeroshot']['seed']}); {p['threads']} threads.\n\n"
+            f"exllamav2's c4 sample; "
+            + (f"zero-shot mean of {', '.join(TASKS)} ({p['zeroshot']['limit']} documents each, "
+               f"seed {p['zeroshot']['seed']}); " if p["zeroshot"]["limit"] else "no zero-shot; ")
+            + f"{p['threads']} threads.\n\n"
             + benchlib.markdown_table(header, rows, align="lllrrrrrrrr") + "\n\nHeal data: "
             + "; ".join(sorted({x["heal"]["data"] for x in r["runs"].values() if x.get("heal")})) + "\n")
 

@@ -4,8 +4,9 @@ The stage between surgery and evaluation (`job.Job.run`): the physically pruned 
 decoder weights — blocks and final norm; the embedding and LM head stay frozen, so a tied head
 stays tied and the vocabulary's 28% of SmolLM2's parameters carry no optimizer state — to match
 the dense model's next-token distribution, KL(teacher ‖ student) per token. Shapes never change;
-zeros a semi-structured method wrote are held bit for bit (`keep` masks reapplied after every
-step, so Adam's moments never move a pruned weight off zero in the weights that ship).
+zeros a semi-structured method wrote are held bit for bit (their gradients dropped before clipping,
+and `keep` masks reapplied after every step, so no optimizer state moves a pruned weight off zero
+in the weights that ship).
 
 The KL over the vocabulary is computed in chunks of the sequence (`kd_loss_backward`): only one
 chunk's logits exist at a time, for the teacher and the student (a 262k vocabulary is 2 GB of
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 from optimizer import distributed
 from optimizer.methods.base import TrainedMethod
 
-ALGORITHM = "heal-1: logit KL(teacher || student), chunked; blocks and final norm train; AdamW or Adafactor, cosine"
+ALGORITHM = ("heal-2: logit KL(teacher || student), chunked; blocks and final norm train; AdamW or Adafactor, cosine; "
+             "held zeros' gradients dropped before clipping")  # a checkpoint of another version is not resumed
 
 # Each optimizer's peak and final learning rate by default. AdamW's is absolute (selected:
 # bench/results/heal-select/); Adafactor's step is relative to each weight's RMS, and 1e-2 (torch's
