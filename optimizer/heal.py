@@ -111,7 +111,7 @@ class Distillation(TrainedMethod):
                                    scale=1 / len(input_ids)) / len(input_ids)
         if world > 1:
             kd = _sum_across_ranks(list(self.params.values()), kd)
-        self.drop_zeros_grads()  # before clipping: the held zeros' gradients would shrink the kept weights' steps
+        self.drop_zeros_grads()  # before clipping: the held zeros' gradients must not count in the norm
         norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.grad_clip)
         lr = self.lr()
         for group in self.opt.param_groups:
