@@ -259,6 +259,49 @@ def test_validation_catches_a_broken_graph(tmp_path):
         validate(model, tmp_path / "model.onnx")
 
 
+
+_ORT_GREEDY = OrtDecoder.greedy
+
+
+def _greedy_steps_edited(monkeypatch, edit):
+    """OrtDecoder.greedy, with `edit(step, logits)` applied to each step's logits (and the token
+    each step picks recomputed): a graph whose prefill and decode checks pass and whose greedy path does not."""
+    def greedy(self, prompt, n):
+        _, steps = _ORT_GREEDY(self, prompt, n)
+        steps = [edit(i, row.copy()) for i, row in enumerate(steps)]
+        return [int(np.argmax(r)) for r in steps], steps
+    monkeypatch.setattr(OrtDecoder, "greedy", greedy)
+
+
+def test_greedy_steps_are_held_to_the_tolerance(tmp_path, monkeypatch):
+    from exporters import onnx_check
+    model = lively("llama")
+    onnx_export.export_decoder(model, tmp_path / "model.onnx")
+
+    def off(i, row):  # the 6th step's logits far off at its least likely token: the same greedy token
+        if i == 5:
+            row[np.argmin(row)] += 0.5 * (row.max() - row.min())
+        return row
+    _greedy_steps_edited(monkeypatch, off)
+    with pytest.raises(ValidationError, match=r"^greedy generation: token 6's logits differ from PyTorch by up to"):
+        validate(model, tmp_path / "model.onnx")
+
+    def flip(by):  # the 4th step picks its runner-up, `by` logits above the best
+        def edit(i, row):
+            if i == 3:
+                first, second = np.argsort(row)[-2:][::-1]
+                row[second] = row[first] + by
+            return row
+        return edit
+    _greedy_steps_edited(monkeypatch, flip(1.0))
+    with pytest.raises(ValidationError, match=r"^greedy generation: token 4's logits differ .* the tokens part there"):
+        validate(model, tmp_path / "model.onnx")
+    # by a hair, with the tolerance loosened so that this model's runner-up lies within it: a near-tie
+    _greedy_steps_edited(monkeypatch, flip(1e-4))
+    monkeypatch.setitem(onnx_check.TOLERANCE, "float32", 0.5)
+    g = validate(model, tmp_path / "model.onnx")["greedy"]
+    assert g["matched"] == 3 and g["parted_at_near_tie"]["step"] == 4 and g["logits_max_abs_diff"] > 0
+
 def test_validation_catches_wrong_names(tmp_path):
     import onnx
     model = lively("llama")
