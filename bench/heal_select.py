@@ -27,7 +27,6 @@ from pathlib import Path
 
 import benchlib
 
-SAMPLES = ("tiny.utf8", "technical.utf8", "code.utf8", "multilingual.utf8")
 SELECTION_SEED = 4321
 
 
@@ -73,12 +72,11 @@ def main() -> None:
     wiki = data.builtin_text("calib").text
     held = {"wiki_heldout": data.token_windows(tok, wiki, 1024)[-2:]}
     train = [data.token_windows(tok, wiki[: wiki.rfind("\n", 0, int(len(wiki) * 0.97))], a.seq)]
-    for name in SAMPLES:
-        text = data.builtin_sample(name).read_text()
-        cut = text.rfind("\n", 0, int(len(text) * 0.9)) + 1
-        held[name] = data.token_windows(tok, text[cut:], 1024)[:2]
+    for name in data.HEAL_SAMPLES:  # the product's default heal reads their first 90% (split_sample's)
+        first, rest = data.split_sample(data.builtin_sample(name).read_text())
+        held[name] = data.token_windows(tok, rest, 1024)[:2]
         if a.data == "mix":
-            train.append(data.token_windows(tok, text[:cut], a.seq))
+            train.append(data.token_windows(tok, first, a.seq))
     train = torch.cat(train)
     train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(0))]
 

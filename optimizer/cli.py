@@ -85,7 +85,8 @@ def one_line_errors(fn):
 @click.option("--heal-time", type=float, help="Heal: stop training after this many seconds (checkpointed; the package is written).")
 @click.option("--heal-data", multiple=True, type=click.Path(),
               help="Heal on this text file, or JSONL with a `text` field or chat `messages` (repeatable; "
-                   "default: the calibration text). It must not hold the evaluation text.")
+                   "default: the calibration text, and with the built-in corpus its other samples: stories, "
+                   "technical, code, multilingual). It must not hold the evaluation text.")
 @click.option("--heal-lr", type=float,
               help="Heal: the peak learning rate, a cosine to a thirtieth of it (default: AdamW 3e-4; "
                    "--heal-memory lean's Adafactor 1e-2, relative to each weight's size).")

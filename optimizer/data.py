@@ -62,6 +62,26 @@ def builtin_text(part: str) -> Text | None:
     return Text(half, f"built-in corpus: {label} half of exllamav2 standard_cal_data/wiki.utf8")
 
 
+# exllamav2's other samples (children's stories, technical prose, code, several languages): the
+# default heal reads all but their last 10%, which bench/heal_select.py holds out to choose the heal's
+# settings on. c4.utf8 is not among them: it is an evaluation text.
+HEAL_SAMPLES = ("tiny.utf8", "technical.utf8", "code.utf8", "multilingual.utf8")
+
+
+def split_sample(text: str, share: float = 0.9) -> tuple[str, str]:
+    """A sample's first `share` (to a line end) and the rest."""
+    cut = text.rfind("\n", 0, int(len(text) * share)) + 1
+    return text[:cut], text[cut:]
+
+
+def builtin_heal_samples() -> dict[str, str]:
+    """HEAL_SAMPLES' first 90% each, by name; empty where the `exllamav2` wheel is absent."""
+    paths = {name: builtin_sample(name) for name in HEAL_SAMPLES}
+    if None in paths.values():
+        return {}
+    return {name: split_sample(path.read_text(encoding="utf-8"))[0] for name, path in paths.items()}
+
+
 def self_generated_text(model, tokenizer, n_tokens: int, seed: int) -> Text:
     """Sample text from the model itself, from a handful of neutral prompts."""
     prompts = ["The history of", "In mathematics,", "The city is known for", "Scientists have found",

@@ -423,8 +423,8 @@ def _heal(job, model, device: torch.device):
 def heal_chunks(job, files_text: str | None = None) -> tuple[torch.Tensor, str]:
     """The heal text in sequences of --heal-seq-len tokens, and what it is: the --heal-data files
     (`files_text`, where the caller has read them already), else the calibration text (without its
-    held-out window); with --heal-chat, a quarter of the sequences are the teacher's own chat
-    answers (repeated as needed)."""
+    held-out window), and with the built-in corpus also `data.builtin_heal_samples()`; with
+    --heal-chat, a quarter of the sequences are the teacher's own chat answers (repeated as needed)."""
     from optimizer import data
     from optimizer.config import heal_seq_len
     s = job.cfg.heal
@@ -435,6 +435,10 @@ def heal_chunks(job, files_text: str | None = None) -> tuple[torch.Tensor, str]:
         train = job.calib.train
         chunks = train.reshape(-1, heal_seq_len(s, train.shape[1]))
         what = f"the calibration text ({job.calib.text.description})"
+        samples = default_heal_samples(job)
+        if samples:  # Wikipedia alone heals Wikipedia: other kinds of text keep more of the model's ability
+            chunks = torch.cat([chunks, *(data.token_windows(job.tok, t, chunks.shape[1]) for t in samples.values())])
+            what += f", and the first 90% of exllamav2's {' / '.join(n.removesuffix('.utf8') for n in samples)} samples"
     n_chat = chat_answers(s, job.tok)
     if not n_chat:
         return chunks, what
@@ -445,6 +449,14 @@ def heal_chunks(job, files_text: str | None = None) -> tuple[torch.Tensor, str]:
     mixed = torch.cat([chunks, chat.repeat(repeat, 1)])
     return mixed, (f"{what}, and {n_chat} chat answers the dense model wrote ({len(chat)} sequences, "
                    f"{repeat}× each: {len(chat) * repeat} of {len(mixed)})")
+
+
+def default_heal_samples(job) -> dict[str, str]:
+    """The built-in samples the default heal adds to the calibration text: only where that is the
+    built-in corpus (a user's --calib is their domain, and is healed on alone)."""
+    from optimizer import data
+    return {} if job.cfg.data.calib or not job.calib.text.description.startswith("built-in") \
+        else data.builtin_heal_samples()
 
 
 def chat_answers(s, tok) -> int:

@@ -191,7 +191,7 @@ class Job:
     def check_heal_data(self) -> None:
         """The heal text, tokenized before pruning (too little is a one-line error now, not after),
         and never the evaluation text: heal data that holds it is refused, a trace warned of."""
-        from optimizer.heal import eval_overlap, heal_chunks, heal_files_text
+        from optimizer.heal import default_heal_samples, eval_overlap, heal_chunks, heal_files_text
         if not distributed.is_main():
             return  # rank 0's heal text is broadcast to the others (heal._heal)
         files = self.cfg.heal.data
@@ -200,7 +200,8 @@ class Job:
             if files:
                 text, what = files_text, "--heal-data"
             else:
-                text, what = self.calib.text.text, "the calibration text (the heal data by default)"
+                text = "\n".join([self.calib.text.text, *default_heal_samples(self).values()])
+                what = "the default heal data (the calibration text and built-in samples)"
             share = eval_overlap(text, self.evaluation.text)
             if share > 0.05:
                 raise UserError(f"{what} contains {share:.0%} of the evaluation text's lines; healing on it would "

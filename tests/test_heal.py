@@ -308,6 +308,32 @@ def test_the_default_heal_budget_and_chat_answers(tokenizer):
     assert chat_answers(HealSettings(chat=0), chat) == 0 and chat_answers(HealSettings(chat=5), plain) == 5
 
 
+def test_the_default_heal_text_adds_the_built_in_samples_to_the_built_in_corpus_only(tokenizer):
+    """Without --heal-data: the built-in calibration half and the first 90% of exllamav2's other samples
+    (their last 10% is what bench/heal_select.py scores heal settings on); a user's --calib alone."""
+    from types import SimpleNamespace
+
+    from optimizer import data
+    from optimizer.config import HealSettings
+    from optimizer.heal import heal_chunks
+    calib = data.builtin_text("calib")
+    train = data.token_windows(tokenizer, calib.text[:20000], 512)
+
+    def job(calib_file):
+        return SimpleNamespace(cfg=SimpleNamespace(heal=HealSettings(chat=0), data=SimpleNamespace(calib=calib_file)),
+                               calib=SimpleNamespace(train=train, text=calib), tok=tokenizer)
+    chunks, what = heal_chunks(job(None))
+    samples = data.builtin_heal_samples()
+    assert list(samples) == list(data.HEAL_SAMPLES) and "tiny / technical / code / multilingual" in what
+    want = len(train) + sum(len(data.token_windows(tokenizer, t, 512)) for t in samples.values())
+    assert chunks.shape == (want, 512) and torch.equal(chunks[:len(train)], train)
+    for name, text in samples.items():
+        full = data.builtin_sample(name).read_text(encoding="utf-8")
+        assert full.startswith(text) and 0.85 * len(full) < len(text) <= 0.9 * len(full)
+    chunks, what = heal_chunks(job("my-calibration.txt"))  # the user's calibration text: their domain
+    assert torch.equal(chunks, train) and "samples" not in what
+
+
 @pytest.mark.parametrize("args, message", [
     (["--heal-tokens", "-5"], "--heal-tokens and --heal-chat must be >= 0"),
     (["--heal-tokens", "100"], "less than one step"),
