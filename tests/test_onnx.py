@@ -259,7 +259,6 @@ def test_validation_catches_a_broken_graph(tmp_path):
         validate(model, tmp_path / "model.onnx")
 
 
-
 _ORT_GREEDY = OrtDecoder.greedy
 
 
@@ -301,6 +300,15 @@ def test_greedy_steps_are_held_to_the_tolerance(tmp_path, monkeypatch):
     monkeypatch.setitem(onnx_check.TOLERANCE, "float32", 0.5)
     g = validate(model, tmp_path / "model.onnx")["greedy"]
     assert g["matched"] == 3 and g["parted_at_near_tie"]["step"] == 4 and g["logits_max_abs_diff"] > 0
+
+    def nan(i, row):  # a step's logits not finite (fp16 overflowing late in the path): a failure, not a tie
+        if i == 7:
+            row[0] = np.nan
+        return row
+    _greedy_steps_edited(monkeypatch, nan)
+    with pytest.raises(ValidationError, match=r"^greedy generation: token 8's logits differ from PyTorch by up to nan"):
+        validate(model, tmp_path / "model.onnx")
+
 
 def test_validation_catches_wrong_names(tmp_path):
     import onnx
