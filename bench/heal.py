@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--retain", type=float, nargs="+", default=[0.7])
     ap.add_argument("--heal-tokens", type=int, nargs="+", default=[0, 36864],
                     help="heal budgets (0: unhealed; default: the product's)")
-    ap.add_argument("--heal-data", nargs="*", default=None, help="heal text (default: the calibration text)")
+    ap.add_argument("--heal-data", nargs="*", default=None, help="heal text (default: the product's)")
     ap.add_argument("--heal-chat", type=int, default=None,
                     help="chat answers the dense model writes, mixed in (default: the product's, 40 for an Instruct model)")
     ap.add_argument("--heal-lr", type=float, default=None, help="heal's peak learning rate (default: the product's)")

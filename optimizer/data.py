@@ -22,6 +22,7 @@ from optimizer.errors import UserError
 class Text:
     text: str
     description: str
+    builtin: bool = False  # the packaged Wikipedia sample (builtin_text)
 
 
 def read_text_file(path: str | Path, what: str = "text file") -> Text:
@@ -59,7 +60,7 @@ def builtin_text(part: str) -> Text | None:
     cut = text.rfind("\n", 0, len(text) // 2) + 1
     half = text[:cut] if part == "calib" else text[cut:]
     label = "first" if part == "calib" else "second"
-    return Text(half, f"built-in corpus: {label} half of exllamav2 standard_cal_data/wiki.utf8")
+    return Text(half, f"built-in corpus: {label} half of exllamav2 standard_cal_data/wiki.utf8", builtin=True)
 
 
 # exllamav2's other samples (children's stories, technical prose, code, several languages): the

@@ -427,6 +427,7 @@ def heal_chunks(job, files_text: str | None = None) -> tuple[torch.Tensor, str]:
     --heal-chat, a quarter of the sequences are the teacher's own chat answers (repeated as needed)."""
     from optimizer import data
     from optimizer.config import heal_seq_len
+    from optimizer.errors import UserError
     s = job.cfg.heal
     if s.data:
         text = files_text if files_text is not None else heal_files_text(s.data, job.tok)
@@ -437,7 +438,13 @@ def heal_chunks(job, files_text: str | None = None) -> tuple[torch.Tensor, str]:
         what = f"the calibration text ({job.calib.text.description})"
         samples = default_heal_samples(job)
         if samples:  # Wikipedia alone heals Wikipedia: other kinds of text keep more of the model's ability
-            chunks = torch.cat([chunks, *(data.token_windows(job.tok, t, chunks.shape[1]) for t in samples.values())])
+            more = []
+            for text in samples.values():
+                try:
+                    more.append(data.token_windows(job.tok, text, chunks.shape[1]))
+                except UserError:  # shorter than one heal sequence (a --heal-seq-len of tens of thousands)
+                    pass
+            chunks = torch.cat([chunks, *more])
             what += f", and the first 90% of exllamav2's {' / '.join(n.removesuffix('.utf8') for n in samples)} samples"
     n_chat = chat_answers(s, job.tok)
     if not n_chat:
@@ -455,8 +462,7 @@ def default_heal_samples(job) -> dict[str, str]:
     """The built-in samples the default heal adds to the calibration text: only where that is the
     built-in corpus (a user's --calib is their domain, and is healed on alone)."""
     from optimizer import data
-    return {} if job.cfg.data.calib or not job.calib.text.description.startswith("built-in") \
-        else data.builtin_heal_samples()
+    return data.builtin_heal_samples() if job.calib.text.builtin else {}
 
 
 def chat_answers(s, tok) -> int:

