@@ -9,6 +9,7 @@ calibration text.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,8 +76,10 @@ def split_sample(text: str, share: float = 0.9) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
+@functools.cache  # read once a process: the overlap check and the heal text both use them
 def builtin_heal_samples() -> dict[str, str]:
-    """HEAL_SAMPLES' first 90% each, by name; empty where the `exllamav2` wheel is absent."""
+    """HEAL_SAMPLES' first 90% each, by name (not to be modified); empty where the `exllamav2`
+    wheel is absent."""
     paths = {name: builtin_sample(name) for name in HEAL_SAMPLES}
     if None in paths.values():
         return {}
