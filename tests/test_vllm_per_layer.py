@@ -61,6 +61,11 @@ def main():
     outs = llm.generate([{"prompt_token_ids": ids} for ids in a["prompts"]],
                         SamplingParams(max_tokens=a["max_tokens"], temperature=0, ignore_eos=True))
     print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+    if a.get("paths"):  # the log-probabilities vLLM gives each token of these sequences (its top 5 too)
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in a["paths"]],
+                            SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5))
+        print("PREFILL " + json.dumps([[None if d is None else {t: x.logprob for t, x in d.items()}
+                                         for d in o.prompt_logprobs] for o in outs]), flush=True)
 if __name__ == "__main__":
     main()
 '''
@@ -111,9 +116,18 @@ def _free_port() -> int:
 
 def _vllm_greedy(pkg, prompts, trust_remote_code: bool, env_extra: dict, log_path,
                  dtype: str = "float32") -> tuple[list, str]:
+    got, _, log = _vllm_run(pkg, prompts, trust_remote_code, env_extra, log_path, dtype)
+    return got, log
+
+
+def _vllm_run(pkg, prompts, trust_remote_code: bool, env_extra: dict, log_path, dtype: str = "float32",
+              paths: list | None = None) -> tuple[list, list | None, str]:
+    """vLLM's greedy tokens for `prompts`; with `paths`, also the log-probabilities it gives every
+    token of those sequences in one forward pass (position -> {token id: logprob}, vLLM's top 5
+    and the sequence's own token; position 0 None)."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", **FAST_START_ENV, **env_extra}
     arg = json.dumps({"model": str(pkg), "prompts": prompts, "max_tokens": NEW_TOKENS,
-                      "trust_remote_code": trust_remote_code, "dtype": dtype})
+                      "trust_remote_code": trust_remote_code, "dtype": dtype, "paths": paths})
     # cwd outside the checkout: `python -c` puts the cwd on sys.path, and a stale
     # llm_deploy_optimizer.egg-info there would hide the installed entry points
     p = subprocess.run([sys.executable, "-c", WORKER, arg], env=env, capture_output=True, text=True, timeout=480,
@@ -121,8 +135,11 @@ def _vllm_greedy(pkg, prompts, trust_remote_code: bool, env_extra: dict, log_pat
     log = p.stdout + p.stderr
     log_path.write_text(log)
     assert p.returncode == 0, log[-4000:]
-    line = next(line_ for line_ in p.stdout.splitlines() if line_.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT ")), log
+    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines()
+             if line.startswith(("RESULT ", "PREFILL "))}
+    prefill = None if paths is None else [[None if d is None else {int(t): x for t, x in d.items()} for d in seq]
+                                          for seq in lines["PREFILL"]]
+    return lines["RESULT"], prefill, log
 
 
 @pytest.mark.parametrize("name", list(CASES))
