@@ -137,6 +137,7 @@ def _vllm_run(pkg, prompts, trust_remote_code: bool, env_extra: dict, log_path, 
     assert p.returncode == 0, log[-4000:]
     lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines()
              if line.startswith(("RESULT ", "PREFILL "))}
+    assert "RESULT" in lines and (paths is None or "PREFILL" in lines), log[-4000:]
     prefill = None if paths is None else [[None if d is None else {int(t): x for t, x in d.items()} for d in seq]
                                           for seq in lines["PREFILL"]]
     return lines["RESULT"], prefill, log

