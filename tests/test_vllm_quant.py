@@ -13,6 +13,7 @@ them (`_vllm_answers_like_transformers`).
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -44,6 +45,27 @@ def test_vllm_serves_an_int8_package_like_the_quantized_model(tokenizer, tmp_pat
     hf = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
     assert hf.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
     _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, INT8_KERNEL, dtype=INT8_DTYPE)
+
+
+def test_the_vllm_check_fails_where_vllm_serves_other_weights(tokenizer, tmp_path):
+    """The check above is not too loose to fail: vLLM serves a copy of the tiny INT8 package whose
+    second block's down_proj scales are 1.5x, transformers runs the package itself."""
+    from safetensors.torch import load_file, save_file
+    model = _small_model("llama", len(tokenizer))
+    apply(model, "int8")
+    tmp = tmp_path / ".pkg.tmp"
+    tmp.mkdir()
+    manifest = {"target": {"kind": "cpu"}, "engine": vllm_export.engine_section("cpu", 256, "tiny-int8")}
+    pkg = vllm_export.write_package(tmp, tmp_path / "pkg", model, tokenizer, manifest, "# report\n",
+                                    dtype=torch.float32)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(pkg, damaged)
+    weights = load_file(damaged / "model.safetensors")
+    key = "model.layers.1.mlp.down_proj.weight_scale"
+    weights[key] = weights[key] * 1.5
+    save_file(weights, damaged / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(AssertionError, match="vLLM"):
+        _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, INT8_KERNEL, dtype=INT8_DTYPE, served=damaged)
 
 
 @pytest.mark.real_model
@@ -89,24 +111,28 @@ def test_vllm_serves_an_int8_decilm_per_layer_package_like_the_quantized_model(t
 
 
 def _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, kernel: str, dtype: str = "float32",
-                                    trust_remote_code: bool = False, env_extra: dict | None = None) -> str:
+                                    trust_remote_code: bool = False, env_extra: dict | None = None,
+                                    served=None) -> str:
     """vLLM on `pkg` against transformers' float32 run of the same checkpoint; `kernel`: a line
-    vLLM's log must hold (the kernel or architecture it chose). Returns vLLM's log.
+    vLLM's log must hold (the kernel or architecture it chose); `served`: what vLLM loads instead of
+    `pkg` (the test of this check serves a damaged copy). Returns vLLM's log.
 
     On transformers' greedy sequences, at every generated position, vLLM's log-probabilities (its
     top 5 and the sequence's token) are transformers' within `tol` at worst and within `mean_tol`
     on average over the positions; and vLLM's own greedy tokens are transformers', or part first
     at a step where transformers' logit for its token leads vLLM's pick by less than `tol`. The
-    tolerances are what vLLM's dtype alone does: twice the largest (`tol`) and twice the mean
+    tolerances are what vLLM's 16-bit dtype alone does: twice the largest (`tol`) and twice the mean
     (`mean_tol`) difference transformers' own run of the checkpoint at that dtype makes to its
-    float32 log-probabilities (same positions; vLLM's tokens and transformers' top 5), at least
-    NEAR_TIE and NEAR_TIE / 5 (all a float32 run gets). On SmolLM2 bf16 alone moves a
-    log-probability by up to ~1: a difference of precision, not of the package."""
+    float32 log-probabilities (same positions; vLLM's tokens and transformers' top 5). On SmolLM2
+    bf16 alone moves a log-probability by up to ~1: a difference of precision, not of the package;
+    on the tiny models by a few hundredths, and one layer's scales 1.5x off fail. A float32 run
+    gets NEAR_TIE and NEAR_TIE / 5."""
     hf = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # the offline run uses ignore_eos
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
     paths = [hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0].tolist() for ids in prompts]
-    got, prefill, log = _vllm_run(pkg, prompts, trust_remote_code, env_extra or {}, tmp_path / "vllm.log", dtype, paths)
+    got, prefill, log = _vllm_run(served or pkg, prompts, trust_remote_code, env_extra or {}, tmp_path / "vllm.log",
+                                  dtype, paths)
     assert kernel in log, log[-3000:]
     want = _logprobs(hf, paths)
     twin = want if dtype == "float32" else _logprobs(
@@ -117,8 +143,10 @@ def _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, kernel: str, dtype
             vllm_off.append(max(abs(x - lp[pos - 1, t].item()) for t, x in vl[pos].items()))
             tokens = set(vl[pos]) | set(lp[pos - 1].topk(5).indices.tolist())
             twin_off.append(max(abs(tw[pos - 1, t] - lp[pos - 1, t]).item() for t in tokens))
-    tol = max(NEAR_TIE, 2 * max(twin_off))
-    mean_tol = max(NEAR_TIE / 5, 2 * sum(twin_off) / len(twin_off))
+    if dtype == "float32":
+        tol, mean_tol = NEAR_TIE, NEAR_TIE / 5
+    else:
+        tol, mean_tol = max(1e-3, 2 * max(twin_off)), max(1e-3, 2 * sum(twin_off) / len(twin_off))
     worst, mean = max(vllm_off), sum(vllm_off) / len(vllm_off)
     assert worst <= tol, f"vLLM's log-probabilities off by up to {worst:.3f} > {tol:.3f} ({vllm_off})"
     assert mean <= mean_tol, f"vLLM's log-probabilities off by {mean:.3f} on average > {mean_tol:.3f} ({vllm_off})"
