@@ -5,11 +5,14 @@ the rest), so that a serving ratio far from its byte ratio can be read rather th
     .venv/bin/python bench/vllm_profile.py dense=embedded int8=out/smollm2-135m-a100 --concurrency 1,16
 
 Each model runs in a fresh process: vLLM's engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one
-worker), the launcher's settings (--dtype bfloat16 --max-model-len 2048, vLLM's default compilation),
-one warm-up generation, then, per --concurrency level, that many prompts of --prompt-tokens random
-tokens generating --output-tokens each (ignore_eos), timed once plain and once profiled. Self CPU time per operator; a step's wall time is the generation's wall
-time over --output-tokens. The profiler's own overhead makes the wall times larger than `bench`'s:
-read the shares, not the absolute times. Writes profile.json and profile.md into a new run folder.
+worker), the launcher's settings (--dtype bfloat16 --max-model-len 2048, vLLM's default compilation).
+Per --concurrency level: that many prompts of --prompt-tokens random tokens, each generating
+--output-tokens (ignore_eos), once to warm up, once timed, once timed under the profiler (the same
+prompts: where vLLM's prefix cache is on, their prefill is a cache hit and the steps are decode steps).
+Self CPU time per operator, a step being one output token of every request; a step's wall time is the
+generation's over --output-tokens. The profiler's own overhead makes wall times larger than `bench`'s:
+read the shares and the differences between models, not the absolute times. Writes profile.json and
+profile.md into a new run folder.
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def markdown(result: dict) -> str:
     lines = [f"# vLLM decode profile: prompts of {p['prompt_tokens']} tokens generating {p['output_tokens']}", "",
              "Source: [profile.json](profile.json)", "",
              "Self CPU ms a decode step (an output token of every request), its share of the profiled self CPU "
-             "time in brackets; wall ms a step without and with the profiler (prefill included).", ""]
+             "time in brackets; wall ms a step: the generation's wall time over its output tokens, without and with the profiler.", ""]
     for level in p["concurrency"]:
         runs = [m["levels"][str(level)] for m in models]
         lines += [f"## {level} request{'s' if level > 1 else ''} at once", ""]
