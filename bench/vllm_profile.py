@@ -114,7 +114,8 @@ def markdown(result: dict) -> str:
     lines = [f"# vLLM decode profile: prompts of {p['prompt_tokens']} tokens generating {p['output_tokens']}", "",
              "Source: [profile.json](profile.json)", "",
              "Self CPU ms a decode step (an output token of every request), its share of the profiled self CPU "
-             "time in brackets; wall ms a step: the generation's wall time over its output tokens, without and with the profiler.", ""]
+             "time in brackets; wall ms a step: the generation's wall time over its output tokens, without and "
+             "with the profiler.", ""]
     for level in p["concurrency"]:
         runs = [m["levels"][str(level)] for m in models]
         lines += [f"## {level} request{'s' if level > 1 else ''} at once", ""]
