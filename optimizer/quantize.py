@@ -79,7 +79,8 @@ def quantize(job, model):
                         "activations": "dynamic per token" if quantizes_activations(precision) else "16-bit",
                         "linears": n, "ignore": IGNORE, "cpu_kernel_shape_misses": slow,
                         "reason": job.plan.quant_reason, **weight_bytes, "wall_s": round(time.time() - started, 1)}
-    job.log(f"quantized: {n} Linear layers to {PRESETS[precision]}{f' (group {group})' if group else ''}, {rounding} "
+    job.log(f"quantized: {n} Linear layers to {PRESETS[precision]}{f' (group {group})' if group else ''}, "
+            f"{f'smoothed (alpha {SMOOTH_ALPHA}), ' if smoothing else ''}{rounding} "
             f"({weight_bytes['quantized_params']:,} weights, "
             f"{weight_bytes['weight_bytes'] / 1e6:.0f} MB of weights against {weight_bytes['bf16_bytes'] / 1e6:.0f} MB in bf16)")
     return model

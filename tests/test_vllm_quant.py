@@ -147,6 +147,8 @@ def _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, kernel: str, dtype
     else:
         tol, mean_tol = max(1e-3, 2 * max(twin_off)), max(1e-3, 2 * sum(twin_off) / len(twin_off))
     worst, mean = max(vllm_off), sum(vllm_off) / len(vllm_off)
+    print(f"vLLM against transformers ({dtype}): log-probabilities off by {worst:.4f} at worst (tol {tol:.4f}), "
+          f"{mean:.4f} on average (tol {mean_tol:.4f}), over {len(vllm_off)} values")  # shown by pytest -rP
     assert worst <= tol, f"vLLM's log-probabilities off by up to {worst:.3f} > {tol:.3f} ({vllm_off})"
     assert mean <= mean_tol, f"vLLM's log-probabilities off by {mean:.3f} on average > {mean_tol:.3f} ({vllm_off})"
     for ids, path, lp, tokens in zip(prompts, paths, want, got):
