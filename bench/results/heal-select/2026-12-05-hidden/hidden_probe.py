@@ -10,7 +10,7 @@ student's mean |norm output| on 8 × 512 calibration tokens (Minitron's embeddin
 Each RMSNorm then normalises over fewer channels; its weight is multiplied by the token mean of
 rms(kept) / rms(all) of its input, so that the kept channels' outputs keep their scale on average.
 
-    PYTHONPATH=.:bench .venv/bin/python bench/results/heal-select/2026-12-05-hidden/hidden_probe.py STUDENT OUT --hidden 512
+    PYTHONPATH=.:bench .venv/bin/python bench/results/heal-select/2026-12-05-hidden/hidden_probe.py STUDENT OUT --hidden 540   # a multiple of the 9 heads: transformers refuses others
 
 Writes OUT (a stock LlamaForCausalLM with hidden_size HIDDEN, the tokenizer beside it) and OUT/hidden.json.
 """
@@ -25,7 +25,7 @@ from optimizer import data, load
 ap = argparse.ArgumentParser()
 ap.add_argument("student")
 ap.add_argument("out")
-ap.add_argument("--hidden", type=int, default=512)
+ap.add_argument("--hidden", type=int, default=540)
 a = ap.parse_args()
 torch.set_num_threads(2)
 model, tok = load.load_model(load.resolve(a.student))
