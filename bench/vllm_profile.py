@@ -83,7 +83,8 @@ def category(name: str) -> str:
 
 
 def summarise(run: dict, steps: int, top: int) -> dict:
-    """One level's operators: self CPU ms a decode step per category, and the `top` operators."""
+    """One level's operators: self CPU ms a step (an output token of every request) per category, and the
+    `top` operators."""
     total = sum(op["self_us"] for op in run["ops"])
     by_cat: dict[str, float] = {}
     for op in run["ops"]:
