@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import benchlib
+from serve.launch import server_env
 
 # First match wins: a category is a regular expression on the operator's name.
 CATEGORIES = [
@@ -44,7 +44,7 @@ CATEGORIES = [
 ]
 
 WORKER = r'''
-import json, os, sys, time
+import json, sys, time
 def main():
     a = json.loads(sys.argv[1])
     import random
@@ -100,7 +100,9 @@ def summarise(run: dict, steps: int, top: int) -> dict:
 
 def profile_model(model: str, args) -> dict:
     """{concurrency: summary} for one model, in a fresh process."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    manifest = Path(model, "manifest.json")  # a package's engine environment, as `serve` starts it
+    env = {**server_env(json.loads(manifest.read_text()) if manifest.is_file() else {"engine": {}}),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     spec = {"model": model, "concurrency": args.levels, "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens}
     try:
