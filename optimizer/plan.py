@@ -81,6 +81,17 @@ class Plan:
         return "\n".join(lines)
 
 
+def fewer_blocks_reason(target: Profile, narrower: dict, fewer: dict, kept: int, layers: int) -> str:
+    """The plan's line where the target has a fixed cost per block (Profile.block_overhead_ms): what
+    keeping `kept` of `layers` whole blocks (`fewer`, --method depth) is predicted to give beside the
+    narrower blocks of the chosen layout (`narrower`), at batch 16, where the fixed cost weighs most."""
+    return (f"on {target.short_name} every block kept costs {target.block_overhead_s(1) * 1e3:.2f} ms a decode "
+            f"step at batch 1 and {target.block_overhead_s(16) * 1e3:.2f} ms at batch 16 beyond its matmuls "
+            f"(attention, norms, the framework), and narrower blocks keep that cost: {kept} of {layers} whole "
+            f"blocks instead (--method depth) is predicted {fewer['decode_speedup_b16']:.2f}x at batch 16 against "
+            f"{narrower['decode_speedup_b16']:.2f}x, at a higher perplexity (docs/quantize.md)")
+
+
 def quant_prediction(plan: Plan) -> dict:
     """The roofline's quantization arguments for `plan`: its precision and whether the engine has its kernel."""
     return {"quant": plan.quant,
@@ -206,7 +217,7 @@ def roofline_experts(target: Profile, adapter, config, n_keep: int, params: int,
             flops = batch * (2 * active + 4 * context_tokens * attn_width) / peak
             moved = ((always_here + layers * experts_touched(experts, k, batch) * ffn) * bytes_per_value
                      + batch * context_tokens * kv * bytes_per_value)
-            return max(flops, moved / bw)
+            return max(flops, moved / bw) + config.num_hidden_layers * target.block_overhead_s(batch)
         return prefill, decode(1), decode(16), weight_bytes, active
 
     dense, pruned = times(n, full), times(n_keep, width)
@@ -264,11 +275,13 @@ def _quant_peak(target: Profile, quant: str) -> float:
 
 
 def _step_times(target: Profile, blocks: int, embed: int, kv: int, attn_width: int, block_peak: float,
-                block_bytes: float, bytes_per_value: int, prompt_tokens: int, context_tokens: int) -> tuple:
+                block_bytes: float, bytes_per_value: int, prompt_tokens: int, context_tokens: int,
+                layers: int) -> tuple:
     """(prefill s, decode s at batch 1, at batch 16, weight bytes) on `target`: `blocks` block
     weights, each `block_bytes` and multiplied at `block_peak` FLOP/s; the LM head (`embed`
     values), attention and the KV cache in 16-bit at the bf16 peak. Each phase is
-    max(FLOPs / peak, bytes / bandwidth)."""
+    max(FLOPs / peak, bytes / bandwidth); a decode step adds the target's fixed cost per block
+    (Profile.block_overhead_s, 0 where not measured) for each of the `layers` blocks."""
     peak = target.peak_bf16_dense_tflops * 1e12
     bw = target.memory_bandwidth_gbps * 1e9
     weight_bytes = blocks * block_bytes + embed * bytes_per_value  # the LM head; an input embedding is looked up
@@ -278,7 +291,7 @@ def _step_times(target: Profile, blocks: int, embed: int, kv: int, attn_width: i
     def decode(batch):
         flops = batch * 2 * blocks / block_peak + batch * (2 * embed + 4 * context_tokens * attn_width) / peak
         moved = weight_bytes + batch * context_tokens * kv * bytes_per_value
-        return max(flops, moved / bw)
+        return max(flops, moved / bw) + layers * target.block_overhead_s(batch)
     return prefill, decode(1), decode(16), weight_bytes
 
 
@@ -306,7 +319,8 @@ def roofline(target: Profile, adapter: DecoderAdapter, config, shape: BlockShape
         block_peak, block_bytes = ((_quant_peak(target, q), QUANT_BYTES[q]) if quantized
                                    else (target.peak_bf16_dense_tflops * 1e12, bytes_per_value))
         return _step_times(target, blocks, embed, kv, attn_width, block_peak, block_bytes, bytes_per_value,
-                           prompt_tokens, context_tokens), blocks * block_bytes
+                           prompt_tokens, context_tokens,
+                           config.num_hidden_layers if n_layers is None else n_layers), blocks * block_bytes
 
     dense, dense_block_bytes = times(adapter.dense_shape(config), False)
     pruned, _ = times(shape, q != "none", layers)
@@ -325,8 +339,9 @@ def roofline_sparse(target: Profile, adapter: DecoderAdapter, config, kernel: bo
     blocks, kv, attn_width, embed = _model_cost(adapter, config, adapter.dense_shape(config))
     blocks -= embed                                          # _model_cost counted the LM head in
     byte_factor = (0.5 + 0.5 * 2 / 8 / bytes_per_value) if kernel else 1.0
+    layers = config.num_hidden_layers
     dense = _step_times(target, blocks, embed, kv, attn_width, peak, bytes_per_value, bytes_per_value,
-                        prompt_tokens, context_tokens)
+                        prompt_tokens, context_tokens, layers)
     sparse = _step_times(target, blocks, embed, kv, attn_width, sparse_peak if kernel else peak,
-                         byte_factor * bytes_per_value, bytes_per_value, prompt_tokens, context_tokens)
+                         byte_factor * bytes_per_value, bytes_per_value, prompt_tokens, context_tokens, layers)
     return {**_speedups(dense, sparse, prompt_tokens, context_tokens), "sparse_kernel": kernel}

@@ -61,6 +61,21 @@ class Profile:
     sparse_tensor_cores: bool
     nvml_names: tuple[str, ...]
     engines: dict[str, EngineSupport]
+    # Time a decode step spends on each block outside its matmuls (attention kernels, norms, RoPE,
+    # the residual adds, the framework between them), by batch size: a fixed cost per block kept,
+    # which width pruning and quantization leave in place and only removing blocks takes away.
+    # Measured where a profile says so (bench/vllm_profile.py); empty: not measured, taken as 0.
+    block_overhead_ms: dict[int, float] = field(default_factory=dict)
+
+    def block_overhead_s(self, batch: int) -> float:
+        """block_overhead_ms at `batch`, linear between the measured batch sizes, held flat outside them."""
+        points = sorted(self.block_overhead_ms.items())
+        if not points:
+            return 0.0
+        for (b0, t0), (b1, t1) in zip(points, points[1:]):
+            if b0 <= batch <= b1:
+                return (t0 + (t1 - t0) * (batch - b0) / (b1 - b0)) / 1e3
+        return (points[0][1] if batch < points[0][0] else points[-1][1]) / 1e3
 
     @property
     def short_name(self) -> str:
@@ -167,6 +182,11 @@ def _load_file(path: Path) -> Profile:
         engines[engine] = EngineSupport(tuple(entry["sparse24_kernel"]), str(entry["note"]),
                                         {k: tuple(v or ()) for k, v in kernels.items()},
                                         str(entry.get("quant_note") or ""))
+    overhead = data.get("block_step_overhead_ms") or {}
+    if not isinstance(overhead, dict) or not all(
+            isinstance(b, int) and b >= 1 and isinstance(t, (int, float)) and t >= 0 for b, t in overhead.items()):
+        raise UserError(f"profile file {path}: block_step_overhead_ms must map batch sizes (integers >= 1) "
+                        f"to milliseconds (>= 0), e.g. {{1: 0.17, 16: 0.37}}")
     peak = data["peak_tflops"]
     cc = data["compute_capability"]
     return Profile(
@@ -186,6 +206,7 @@ def _load_file(path: Path) -> Profile:
         sparse_tensor_cores=bool(data["sparse_tensor_cores"]),
         nvml_names=tuple(data["nvml_names"] or ()),
         engines=engines,
+        block_overhead_ms={int(b): float(t) for b, t in overhead.items()},
     )
 
 

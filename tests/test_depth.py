@@ -136,6 +136,32 @@ def test_the_roofline_of_fewer_blocks_counts_their_bytes_and_the_whole_lm_head()
     assert planner.roofline(load_profile("a100"), adapter, cfg, shape)["weight_bytes_ratio"] == pytest.approx(1)
 
 
+def test_a_fixed_cost_per_block_makes_fewer_whole_blocks_faster_than_narrower_ones_at_batch_16():
+    """On SmolLM2's shapes at retain 0.7: the cpu profile charges every kept block a decode step's fixed
+    cost (block_step_overhead_ms), which lowers the narrower layout's predicted speedup (it keeps all 30
+    blocks), and whole blocks removed stay ahead at batch 16 at about the same bytes, in 16-bit and INT8."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from optimizer import budget, load
+    from optimizer import plan as planner
+    from optimizer.profiles import load_profile
+    cfg = AutoConfig.from_pretrained(load.resolve(None).hf_dir)
+    adapter = get_adapter(cfg)
+    cpu = load_profile("cpu")
+    free = dataclasses.replace(cpu, block_overhead_ms={})
+    assert cpu.block_overhead_s(16) > cpu.block_overhead_s(8) > cpu.block_overhead_s(1) > 0
+    assert cpu.block_overhead_s(64) == cpu.block_overhead_s(16) and load_profile("a100").block_overhead_s(16) == 0
+    narrower, kept = budget.uniform_candidates(adapter, cfg, 0.7)[0], blocks_to_keep(cfg.num_hidden_layers, 0.7)
+    for quant in ("none", "int8"):
+        width, whole = (planner.roofline(t, adapter, cfg, narrower, quant=quant) for t in (cpu, free))
+        assert width["decode_speedup_b16"] < whole["decode_speedup_b16"]  # the fixed cost stays with every block
+        depth = planner.roofline(cpu, adapter, cfg, adapter.dense_shape(cfg), layers=kept, quant=quant)
+        assert depth["decode_speedup_b16"] > width["decode_speedup_b16"]
+        assert depth["weight_bytes_ratio"] == pytest.approx(width["weight_bytes_ratio"], rel=0.05)
+
+
 @pytest.mark.parametrize("family, fmt", [("phi3", "vllm"), ("llama", "onnx")])
 def test_a_depth_package_of_phi3_and_an_onnx_one_load_back_with_fewer_blocks(tmp_path, tokenizer, text_file,
                                                                              family, fmt):

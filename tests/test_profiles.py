@@ -202,3 +202,8 @@ def test_an_unknown_quant_precision_in_a_profile_is_an_error(tmp_path, monkeypat
     text = (P.PROFILES_DIR / "a100.yaml").read_text().replace("      w4a16:", "      int4:")
     _refused(tmp_path, monkeypatch, text, r"a100\.yaml.*quant_kernels.*int4")
 
+
+
+def test_a_bad_block_overhead_in_a_profile_is_an_error(tmp_path, monkeypatch):
+    text = (P.PROFILES_DIR / "a100.yaml").read_text() + "block_step_overhead_ms: {16: -1}\n"
+    _refused(tmp_path, monkeypatch, text, r"a100\.yaml.*block_step_overhead_ms")
