@@ -82,7 +82,10 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         if not nominal:
             raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
         plan.prediction = planner.roofline(target, adapter, hf_config, nominal[0], **planner.quant_prediction(plan))
-        if target.block_overhead_ms:  # a target where every kept block costs time beyond its matmuls
+        # a target where every kept block costs time beyond its matmuls (measured under vLLM); not where
+        # --method depth would be refused (--refit, --budget) or for onnxruntime
+        if target.block_overhead_ms and cfg.format == "vllm" and cfg.budget == "params" and \
+                not (cfg.refit is not None and cfg.refit.asked):
             from optimizer.depth import blocks_to_keep
             kept = blocks_to_keep(hf_config.num_hidden_layers, cfg.retain)
             if kept < hf_config.num_hidden_layers:

@@ -9,6 +9,7 @@ and maps the GPU that NVML reports to a profile for ``--target auto``.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -182,11 +183,15 @@ def _load_file(path: Path) -> Profile:
         engines[engine] = EngineSupport(tuple(entry["sparse24_kernel"]), str(entry["note"]),
                                         {k: tuple(v or ()) for k, v in kernels.items()},
                                         str(entry.get("quant_note") or ""))
-    overhead = data.get("block_step_overhead_ms") or {}
-    if not isinstance(overhead, dict) or not all(
-            isinstance(b, int) and b >= 1 and isinstance(t, (int, float)) and t >= 0 for b, t in overhead.items()):
+    overhead = data.get("block_step_overhead_ms")
+    overhead = {} if overhead is None else overhead
+
+    def number(x, kind):
+        return isinstance(x, kind) and not isinstance(x, bool) and math.isfinite(x)
+    if not isinstance(overhead, dict) or not all(number(b, int) and b >= 1 and number(t, (int, float)) and t >= 0
+                                                 for b, t in overhead.items()):
         raise UserError(f"profile file {path}: block_step_overhead_ms must map batch sizes (integers >= 1) "
-                        f"to milliseconds (>= 0), e.g. {{1: 0.17, 16: 0.37}}")
+                        f"to milliseconds (finite, >= 0), e.g. {{1: 0.16, 16: 0.37}}")
     peak = data["peak_tflops"]
     cc = data["compute_capability"]
     return Profile(

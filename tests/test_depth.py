@@ -155,8 +155,8 @@ def test_a_fixed_cost_per_block_makes_fewer_whole_blocks_faster_than_narrower_on
     assert cpu.block_overhead_s(64) == cpu.block_overhead_s(16) and load_profile("a100").block_overhead_s(16) == 0
     narrower, kept = budget.uniform_candidates(adapter, cfg, 0.7)[0], blocks_to_keep(cfg.num_hidden_layers, 0.7)
     for quant in ("none", "int8"):
-        width, whole = (planner.roofline(t, adapter, cfg, narrower, quant=quant) for t in (cpu, free))
-        assert width["decode_speedup_b16"] < whole["decode_speedup_b16"]  # the fixed cost stays with every block
+        width, width_free = (planner.roofline(t, adapter, cfg, narrower, quant=quant) for t in (cpu, free))
+        assert width["decode_speedup_b16"] < width_free["decode_speedup_b16"]  # the fixed cost stays with every block
         depth = planner.roofline(cpu, adapter, cfg, adapter.dense_shape(cfg), layers=kept, quant=quant)
         assert depth["decode_speedup_b16"] > width["decode_speedup_b16"]
         assert depth["weight_bytes_ratio"] == pytest.approx(width["weight_bytes_ratio"], rel=0.05)

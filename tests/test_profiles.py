@@ -203,7 +203,7 @@ def test_an_unknown_quant_precision_in_a_profile_is_an_error(tmp_path, monkeypat
     _refused(tmp_path, monkeypatch, text, r"a100\.yaml.*quant_kernels.*int4")
 
 
-
 def test_a_bad_block_overhead_in_a_profile_is_an_error(tmp_path, monkeypatch):
-    text = (P.PROFILES_DIR / "a100.yaml").read_text() + "block_step_overhead_ms: {16: -1}\n"
-    _refused(tmp_path, monkeypatch, text, r"a100\.yaml.*block_step_overhead_ms")
+    for bad in ("{16: -1}", "{true: 0.3}", "[0.3]", "{16: .inf}"):
+        text = (P.PROFILES_DIR / "a100.yaml").read_text() + f"block_step_overhead_ms: {bad}\n"
+        _refused(tmp_path, monkeypatch, text, r"a100\.yaml.*block_step_overhead_ms")
