@@ -23,6 +23,16 @@ __all__ = ["optimize", "validate", "OptimizeConfig", "DataConfig", "DDPSettings"
            "RefitSettings", "HealSettings"]
 
 
+def _depth_would_run(cfg: OptimizeConfig, adapter, hf_config) -> bool:
+    """Whether --method depth accepts this model and these options (optimizer.depth.check)."""
+    from optimizer.depth import check
+    try:
+        check(cfg, adapter, hf_config)
+    except UserError:
+        return False
+    return True
+
+
 def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = print) -> dict:
     """Prune (and package) the model `cfg` names. Returns {"plan", "manifest", "out"}, or
     {"plan", "dry_run": True} when `dry_run`; bad input raises UserError before any compute."""
@@ -82,10 +92,9 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         if not nominal:
             raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
         plan.prediction = planner.roofline(target, adapter, hf_config, nominal[0], **planner.quant_prediction(plan))
-        # a target where every kept block costs time beyond its matmuls (measured under vLLM); not where
-        # --method depth would be refused (--refit, --budget) or for onnxruntime
-        if target.block_overhead_ms and cfg.format == "vllm" and cfg.budget == "params" and \
-                not (cfg.refit is not None and cfg.refit.asked):
+        # a target where every kept block costs time beyond its matmuls (measured under vLLM); not for
+        # onnxruntime, nor where --method depth with these options would be refused
+        if target.block_overhead_ms and cfg.format == "vllm" and _depth_would_run(cfg, adapter, hf_config):
             from optimizer.depth import blocks_to_keep
             kept = blocks_to_keep(hf_config.num_hidden_layers, cfg.retain)
             if kept < hf_config.num_hidden_layers:

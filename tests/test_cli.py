@@ -65,11 +65,13 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_dirs, tmp_path):
 def test_on_the_cpu_target_the_plan_weighs_fewer_whole_blocks():
     """cpu's profile charges every kept block a fixed cost a decode step: the structured plan for the
     embedded model says what --method depth would be predicted to give beside it; a GPU profile (no
-    fixed cost measured) does not, nor an onnxruntime package (the cost was measured under vLLM)."""
+    fixed cost measured) does not, nor an onnxruntime package (the cost was measured under vLLM), nor
+    options --method depth refuses."""
     r = _run(optimize, ["--target", "cpu", "--retain", "0.7", "--dry-run"])
     assert r.exit_code == 0 and "method: activation" in r.output
     assert "beyond its matmuls" in r.output and "21 of 30 whole blocks instead (--method depth)" in r.output
-    for other in (["--target", "a100"], ["--target", "cpu", "--format", "onnx"]):  # not measured there
+    for other in (["--target", "a100"], ["--target", "cpu", "--format", "onnx"],  # not measured there
+                  ["--target", "cpu", "--refit"], ["--target", "cpu", "--budget", "latency"]):  # depth refuses these
         r = _run(optimize, [*other, "--retain", "0.7", "--dry-run"])
         assert r.exit_code == 0 and "--method depth" not in r.output, other
 
