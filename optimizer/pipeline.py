@@ -93,15 +93,14 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
             raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
         plan.prediction = planner.roofline(target, adapter, hf_config, nominal[0], **planner.quant_prediction(plan))
         # a target where every kept block costs time beyond its matmuls (measured under vLLM); not for
-        # onnxruntime, nor where --method depth with these options would be refused
+        # onnxruntime, nor where --method depth would be refused (which includes a --retain keeping every block)
         if target.block_overhead_ms and cfg.format == "vllm" and _depth_would_run(cfg, adapter, hf_config):
             from optimizer.depth import blocks_to_keep
             kept = blocks_to_keep(hf_config.num_hidden_layers, cfg.retain)
-            if kept < hf_config.num_hidden_layers:
-                whole = planner.roofline(target, adapter, hf_config, adapter.dense_shape(hf_config), layers=kept,
-                                         **planner.quant_prediction(plan))
-                plan.reasons.append(planner.fewer_blocks_reason(target, plan.prediction, whole, kept,
-                                                                hf_config.num_hidden_layers))
+            whole = planner.roofline(target, adapter, hf_config, adapter.dense_shape(hf_config), layers=kept,
+                                     **planner.quant_prediction(plan))
+            plan.reasons.append(planner.fewer_blocks_reason(target, plan.prediction, whole, kept,
+                                                            hf_config.num_hidden_layers))
     if why_target:
         log(why_target)
     log(plan.text())
