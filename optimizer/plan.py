@@ -26,6 +26,9 @@ STRUCTURED_METHODS = ("activation", "ddp")
 STRUCTURED = "activation"
 # Whole blocks removed (optimizer/depth.py): fewer layers instead of narrower ones.
 DEPTH = "depth"
+# --method auto removes whole blocks where the target's fixed cost per block makes them this much
+# faster at batch 16 than narrower blocks of the same parameters (plan.prefers_fewer_blocks).
+FEWER_BLOCKS_GAIN = 1.1
 # The semi-structured family (N:M or unstructured zeros in every Linear of the blocks).
 ONE_SHOT = ("magnitude", "wanda", "sparsegpt")
 SPARSE_METHODS = (*ONE_SHOT, *(f"si+{m}" for m in ONE_SHOT), "roi")
@@ -81,15 +84,30 @@ class Plan:
         return "\n".join(lines)
 
 
-def fewer_blocks_reason(target: Profile, narrower: dict, fewer: dict, kept: int, layers: int) -> str:
+def prefers_fewer_blocks(narrower: dict, fewer: dict) -> bool:
+    """Whether `--method auto` takes whole blocks (--method depth) over the narrower layout: where the
+    roofline with the target's fixed cost per block predicts fewer blocks FEWER_BLOCKS_GAIN times as fast
+    at batch 16 (same parameters either way). The selection probe found depth no worse after the
+    default heal on held-out KL and zero-shot (bench/results/heal-select/2026-12-05-mixed/)."""
+    return fewer["decode_speedup_b16"] >= FEWER_BLOCKS_GAIN * narrower["decode_speedup_b16"]
+
+
+def fewer_blocks_reason(target: Profile, narrower: dict, fewer: dict, kept: int, layers: int,
+                        chosen: bool = False) -> str:
     """The plan's line where the target has a fixed cost per block (Profile.block_overhead_ms): what
     keeping `kept` of `layers` whole blocks (`fewer`, --method depth) is predicted to give beside the
-    narrower blocks of the chosen layout (`narrower`), at batch 16, where the fixed cost weighs most."""
-    return (f"on {target.short_name} every block kept costs {target.block_overhead_s(1) * 1e3:.2f} ms a decode "
+    narrower blocks of the structured layout (`narrower`), at batch 16, where the fixed cost weighs
+    most; `chosen`: --method auto took it."""
+    cost = (f"on {target.short_name} every block kept costs {target.block_overhead_s(1) * 1e3:.2f} ms a decode "
             f"step at batch 1 and {target.block_overhead_s(16) * 1e3:.2f} ms at batch 16 beyond its matmuls "
-            f"(attention, norms, the framework), and narrower blocks keep that cost: {kept} of {layers} whole "
-            f"blocks instead (--method depth) is predicted {fewer['decode_speedup_b16']:.2f}x at batch 16 against "
-            f"{narrower['decode_speedup_b16']:.2f}x, at a higher perplexity (docs/quantize.md)")
+            f"(attention, norms, the framework), and narrower blocks keep that cost")
+    if chosen:
+        return (f"{cost} → {kept} of {layers} whole blocks (depth): predicted {fewer['decode_speedup_b16']:.2f}x at "
+                f"batch 16 against {narrower['decode_speedup_b16']:.2f}x for narrower blocks, at a higher "
+                f"WikiText-2 perplexity (--method structured keeps every block, narrower; docs/quantize.md)")
+    return (f"{cost}: {kept} of {layers} whole blocks instead (--method depth) is predicted "
+            f"{fewer['decode_speedup_b16']:.2f}x at batch 16 against {narrower['decode_speedup_b16']:.2f}x, at a "
+            f"higher perplexity (docs/quantize.md)")
 
 
 def quant_prediction(plan: Plan) -> dict:

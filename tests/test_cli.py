@@ -62,18 +62,25 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_dirs, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_on_the_cpu_target_the_plan_weighs_fewer_whole_blocks():
-    """cpu's profile charges every kept block a fixed cost a decode step: the structured plan for the
-    embedded model says what --method depth would be predicted to give beside it; a GPU profile (no
-    fixed cost measured) does not, nor an onnxruntime package (the cost was measured under vLLM), nor
-    options --method depth refuses."""
+def test_on_the_cpu_target_auto_removes_whole_blocks_where_they_pay():
+    """cpu's profile charges every kept block a fixed cost a decode step: for the embedded model at
+    0.7, --method auto keeps 21 of 30 whole blocks (depth) and says why; --method structured keeps
+    the narrower layout and names depth beside it; where the gain is small (0.9: 27 blocks) auto stays
+    structured. A GPU profile (no fixed cost measured), an onnxruntime package (the cost was measured
+    under vLLM) and options --method depth refuses never see depth."""
     r = _run(optimize, ["--target", "cpu", "--retain", "0.7", "--dry-run"])
+    assert r.exit_code == 0 and "method: depth" in r.output
+    assert "beyond its matmuls" in r.output and "→ 21 of 30 whole blocks (depth): predicted" in r.output
+    r = _run(optimize, ["--target", "cpu", "--method", "structured", "--retain", "0.7", "--dry-run"])
     assert r.exit_code == 0 and "method: activation" in r.output
-    assert "beyond its matmuls" in r.output and "21 of 30 whole blocks instead (--method depth)" in r.output
+    assert "21 of 30 whole blocks instead (--method depth)" in r.output
+    r = _run(optimize, ["--target", "cpu", "--retain", "0.9", "--dry-run"])
+    assert r.exit_code == 0 and "method: activation" in r.output
+    assert "27 of 30 whole blocks instead (--method depth)" in r.output
     for other in (["--target", "a100"], ["--target", "cpu", "--format", "onnx"],  # not measured there
                   ["--target", "cpu", "--refit"], ["--target", "cpu", "--budget", "latency"]):  # depth refuses these
         r = _run(optimize, [*other, "--retain", "0.7", "--dry-run"])
-        assert r.exit_code == 0 and "--method depth" not in r.output, other
+        assert r.exit_code == 0 and "method: activation" in r.output and "depth" not in r.output, other
 
 
 def test_h100_with_an_old_vllm_sees_the_2to4_kernel(tiny_dirs):
