@@ -87,8 +87,8 @@ class Plan:
 def prefers_fewer_blocks(narrower: dict, fewer: dict) -> bool:
     """Whether `--method auto` takes whole blocks (--method depth) over the narrower layout: where the
     roofline with the target's fixed cost per block predicts fewer blocks FEWER_BLOCKS_GAIN times as fast
-    at batch 16 (same parameters either way). The selection probe found depth no worse after the
-    default heal on held-out KL and zero-shot (bench/results/heal-select/2026-12-05-mixed/)."""
+    at batch 16 (same parameters either way). After the default heal whole blocks kept no less zero-shot on
+    SmolLM2 at 0.5-0.8, at a higher perplexity on text unlike the heal's (bench/results/heal-select/2026-12-05-mixed/)."""
     return fewer["decode_speedup_b16"] >= FEWER_BLOCKS_GAIN * narrower["decode_speedup_b16"]
 
 
@@ -104,7 +104,7 @@ def fewer_blocks_reason(target: Profile, narrower: dict, fewer: dict, kept: int,
     if chosen:
         return (f"{cost} → {kept} of {layers} whole blocks (depth): predicted {fewer['decode_speedup_b16']:.2f}x at "
                 f"batch 16 against {narrower['decode_speedup_b16']:.2f}x for narrower blocks, at a higher "
-                f"WikiText-2 perplexity (--method structured keeps every block, narrower; docs/quantize.md)")
+                f"perplexity (--method structured keeps every block, narrower; docs/quantize.md)")
     return (f"{cost}: {kept} of {layers} whole blocks instead (--method depth) is predicted "
             f"{fewer['decode_speedup_b16']:.2f}x at batch 16 against {narrower['decode_speedup_b16']:.2f}x, at a "
             f"higher perplexity (docs/quantize.md)")
