@@ -99,7 +99,7 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
             kept = blocks_to_keep(hf_config.num_hidden_layers, cfg.retain)
             whole = planner.roofline(target, adapter, hf_config, adapter.dense_shape(hf_config), layers=kept,
                                      **planner.quant_prediction(plan))
-            depth = cfg.method == "auto" and planner.prefers_fewer_blocks(plan.prediction, whole)
+            depth = cfg.method == "auto" and planner.prefers_fewer_blocks(plan.prediction, whole, cfg.retain)
             plan.reasons.append(planner.fewer_blocks_reason(target, plan.prediction, whole, kept,
                                                             hf_config.num_hidden_layers, chosen=depth))
             if depth:

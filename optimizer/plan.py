@@ -19,7 +19,8 @@ from optimizer.profiles import QUANT_NAMES, Profile
 from runtime.package import installed_vllm_version  # noqa: F401  (the planner's default engine version)
 
 # auto / structured → the planner's structured method: the one-shot activation method, then
-# heal. DDP's learned gates beat one-shot unhealed (bench/results/ddp/), but its 80 steps alone
+# heal (auto on a target with a measured per-block cost may remove whole blocks instead:
+# prefers_fewer_blocks). DDP's learned gates beat one-shot unhealed (bench/results/ddp/), but its 80 steps alone
 # take longer than the 15 minutes the default job may take here, and the same minutes spent
 # healing the one-shot student's weights buy more (bench/results/heal/); DDP on request.
 STRUCTURED_METHODS = ("activation", "ddp")
@@ -27,8 +28,11 @@ STRUCTURED = "activation"
 # Whole blocks removed (optimizer/depth.py): fewer layers instead of narrower ones.
 DEPTH = "depth"
 # --method auto removes whole blocks where the target's fixed cost per block makes them this much
-# faster at batch 16 than narrower blocks of the same parameters (plan.prefers_fewer_blocks).
+# faster at batch 16 than narrower blocks of the same parameters (plan.prefers_fewer_blocks), and
+# only from this --retain up: at 0.5 the default heal left 15 of 30 blocks of SmolLM2 with a worse
+# held-out KL than narrower blocks, at 0.7 and 0.8 with a better one (heal-select/2026-12-05-mixed).
 FEWER_BLOCKS_GAIN = 1.1
+FEWER_BLOCKS_MIN_RETAIN = 0.7
 # The semi-structured family (N:M or unstructured zeros in every Linear of the blocks).
 ONE_SHOT = ("magnitude", "wanda", "sparsegpt")
 SPARSE_METHODS = (*ONE_SHOT, *(f"si+{m}" for m in ONE_SHOT), "roi")
@@ -84,12 +88,15 @@ class Plan:
         return "\n".join(lines)
 
 
-def prefers_fewer_blocks(narrower: dict, fewer: dict) -> bool:
-    """Whether `--method auto` takes whole blocks (--method depth) over the narrower layout: where the
-    roofline with the target's fixed cost per block predicts fewer blocks FEWER_BLOCKS_GAIN times as fast
-    at batch 16 (same parameters either way). After the default heal whole blocks kept no less zero-shot on
-    SmolLM2 at 0.5-0.8, at a higher perplexity on text unlike the heal's (bench/results/heal-select/2026-12-05-mixed/)."""
-    return fewer["decode_speedup_b16"] >= FEWER_BLOCKS_GAIN * narrower["decode_speedup_b16"]
+def prefers_fewer_blocks(narrower: dict, fewer: dict, retain: float) -> bool:
+    """Whether `--method auto` takes whole blocks (--method depth) over the narrower layout, on a target
+    with a measured fixed cost per block (the caller's test): at --retain FEWER_BLOCKS_MIN_RETAIN and up,
+    where the roofline predicts fewer blocks FEWER_BLOCKS_GAIN times as fast at batch 16 (same
+    parameters either way; the smaller KV cache counts too). On SmolLM2 at 0.7 and 0.8 whole blocks
+    healed to a lower held-out KL and no less zero-shot, at a higher perplexity on WikiText-2 and c4 at 0.7
+    (bench/results/heal-select/2026-12-05-mixed/)."""
+    return (retain >= FEWER_BLOCKS_MIN_RETAIN
+            and fewer["decode_speedup_b16"] >= FEWER_BLOCKS_GAIN * narrower["decode_speedup_b16"])
 
 
 def fewer_blocks_reason(target: Profile, narrower: dict, fewer: dict, kept: int, layers: int,
