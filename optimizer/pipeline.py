@@ -33,6 +33,14 @@ def _depth_would_run(cfg: OptimizeConfig, adapter, hf_config) -> bool:
     return True
 
 
+def _whole_blocks_prediction(target, adapter, hf_config, retain: float, plan) -> tuple[int, dict]:
+    """(blocks kept, roofline) of --method depth at `retain`: that many blocks at full width."""
+    from optimizer.depth import blocks_to_keep
+    kept = blocks_to_keep(hf_config.num_hidden_layers, retain)
+    return kept, planner.roofline(target, adapter, hf_config, adapter.dense_shape(hf_config), layers=kept,
+                                  **planner.quant_prediction(plan))
+
+
 def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = print) -> dict:
     """Prune (and package) the model `cfg` names. Returns {"plan", "manifest", "out"}, or
     {"plan", "dry_run": True} when `dry_run`; bad input raises UserError before any compute."""
@@ -83,10 +91,7 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
             sparsity.parse(plan.sparsity).check_shape(width, name)
         plan.prediction = planner.roofline_sparse(target, adapter, hf_config, plan.sparse_kernel)
     elif depth:
-        from optimizer.depth import blocks_to_keep
-        plan.prediction = planner.roofline(target, adapter, hf_config, adapter.dense_shape(hf_config),
-                                           layers=blocks_to_keep(hf_config.num_hidden_layers, cfg.retain),
-                                           **planner.quant_prediction(plan))
+        plan.prediction = _whole_blocks_prediction(target, adapter, hf_config, cfg.retain, plan)[1]
     else:
         nominal = budget.uniform_candidates(adapter, hf_config, cfg.retain)
         if not nominal:
@@ -95,10 +100,7 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         # a target where every kept block costs time beyond its matmuls (measured under vLLM); not for
         # onnxruntime, nor where --method depth would be refused (which includes a --retain keeping every block)
         if target.block_overhead_ms and cfg.format == "vllm" and _depth_would_run(cfg, adapter, hf_config):
-            from optimizer.depth import blocks_to_keep
-            kept = blocks_to_keep(hf_config.num_hidden_layers, cfg.retain)
-            whole = planner.roofline(target, adapter, hf_config, adapter.dense_shape(hf_config), layers=kept,
-                                     **planner.quant_prediction(plan))
+            kept, whole = _whole_blocks_prediction(target, adapter, hf_config, cfg.retain, plan)
             depth = cfg.method == "auto" and planner.prefers_fewer_blocks(plan.prediction, whole, cfg.retain)
             plan.reasons.append(planner.fewer_blocks_reason(target, plan.prediction, whole, kept,
                                                             hf_config.num_hidden_layers, chosen=depth))
