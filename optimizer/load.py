@@ -304,5 +304,18 @@ def load_model(source: ModelSource, dtype=None):
         tok = AutoTokenizer.from_pretrained(source.hf_dir, trust_remote_code=ours)
     except Exception as e:
         raise UserError(f"{source.description}: could not load the tokenizer ({type(e).__name__})") from None
+    _decompress_now(model)
     model.eval()
     return model, tok
+
+
+def _decompress_now(model) -> None:
+    """A compressed-tensors checkpoint (ours, llm-compressor's) loads with its weights still
+    compressed (int8 and a scale) and a hook that decompresses them on the model's first forward
+    pass. Code that calls a submodule first (zero-shot scoring runs the decoder and the head
+    apart) would meet int8 weights in a float matmul, so decompress here, once: the layers keep
+    their quantization schemes and run fake-quantized, as the package is served."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    compressor = getattr(quantizer, "compressor", None)
+    if hasattr(model, "ct_decompress_hook") and compressor is not None:
+        compressor.decompress_model(model=model)

@@ -95,6 +95,18 @@ def test_optimize_writes_an_int8_package_that_loads_and_matches_the_quantized_mo
     tok = load.load_model(load.resolve(str(tiny_dirs["llama"])))[1]
     windows = data.token_windows(tok, text_file.read_text(), 64, 1)
     assert evaluate.perplexity(model, windows) == pytest.approx(m["quality"]["perplexity"]["pruned"], rel=2e-2)
+    # zero-shot scoring as its first use (it runs the decoder and the head apart; a compressed-tensors
+    # checkpoint used to reach it with int8 weights: "expected m1 and m2 to have the same dtype")
+    from optimizer import zeroshot
+    fresh, _ = load.load_model(load.resolve(str(out)))
+    ids = windows[0, :12].tolist()
+    pairs = [(ids[:8], ids[8:]), (ids[:5], ids[5:9])]
+    lls = zeroshot.loglikelihoods(fresh, pairs, progress=False)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(windows[:1, :12]).logits[0].float(), -1)
+    expect = [sum(logp[p - 1, ids[p]].item() for p in range(8, 12)),
+              sum(logp[p - 1, ids[p]].item() for p in range(5, 9))]
+    assert lls == pytest.approx(expect, abs=1e-3)
 
 
 @pytest.mark.parametrize("precision", ["int8", "w4a16"])
