@@ -84,7 +84,7 @@ def one_line_errors(fn):
               help="Heal after surgery: distil the pruned model from the dense one for this many tokens (0: no healing).")
 @click.option("--heal-time", type=float, help="Heal: stop training after this many seconds (checkpointed; the package is written).")
 @click.option("--heal-data", multiple=True, type=click.Path(),
-              help="Heal on this text file, or JSONL with a `text` field or chat `messages` (repeatable; "
+              help="Heal on this text file, or JSON records (.jsonl, .json) with a `text` field or chat `messages` (repeatable; "
                    "default: the calibration text, and with the built-in corpus its other samples: stories, "
                    "technical, code, multilingual). It must not hold the evaluation text.")
 @click.option("--heal-lr", type=float,
@@ -145,11 +145,14 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
 
 
 @click.command()
+@click.option("--engine-version", help="The vLLM whose kernels decide the --quant auto column (default: 0.32.0).")
 @one_line_errors
-def profiles():
+def profiles(engine_version):
     """List the deployment targets and what each offers."""
-    from optimizer.profiles import format_profiles_table, list_profiles
-    click.echo(format_profiles_table(list_profiles()))
+    from optimizer.profiles import _parse_version, format_profiles_table, list_profiles
+    if engine_version is not None and _parse_version(engine_version) is None:
+        raise UserError(f"--engine-version '{engine_version}' is not a version (e.g. 0.18.0)")
+    click.echo(format_profiles_table(list_profiles(), engine_version))
 
 
 @click.command()

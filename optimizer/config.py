@@ -204,11 +204,15 @@ def validate(cfg: OptimizeConfig) -> None:
     if h.memory not in HEAL_MEMORY:
         raise UserError(f"unknown --heal-memory '{h.memory}'; choose from: {', '.join(HEAL_MEMORY)}")
     check_heal_device(h)
-    if (h.tokens < 0 or (h.time_s is not None and h.time_s <= 0) or (h.lr is not None and h.lr <= 0)
-            or h.seq_len < 16 or h.batch < 1
-            or (h.chat is not None and h.chat < 0)):
-        raise UserError("--heal-tokens and --heal-chat must be >= 0, --heal-time and the heal learning rate > 0, "
-                        "its sequence length >= 16 and batch >= 1")
+    for bad, what in ((h.tokens < 0, f"--heal-tokens must be >= 0, got {h.tokens}"),
+                      (h.chat is not None and h.chat < 0, f"--heal-chat must be >= 0, got {h.chat}"),
+                      (h.time_s is not None and h.time_s <= 0, f"--heal-time must be > 0 seconds, got {h.time_s:g}"
+                       if h.time_s is not None else ""),
+                      (h.lr is not None and h.lr <= 0, f"--heal-lr must be > 0, got {h.lr:g}" if h.lr is not None else ""),
+                      (h.seq_len < 16, f"the heal sequence length must be >= 16 tokens, got {h.seq_len}"),
+                      (h.batch < 1, f"--heal-batch must be >= 1, got {h.batch}")):
+        if bad:
+            raise UserError(what)
     seq, batch = heal_seq_len(h, dc.seq_len), distributed.heal_batch(h.batch)
     if 0 < h.tokens < batch * seq:
         raise UserError(f"--heal-tokens {h.tokens} is less than one step of {batch} × {seq} tokens")
@@ -218,3 +222,6 @@ def validate(cfg: OptimizeConfig) -> None:
                        *((p, "heal data file") for p in h.data or ())):
         if path is not None:
             data.read_text_file(path, what)  # raises on missing / empty / binary
+    from optimizer.heal import heal_records
+    for path in h.data or ():
+        heal_records(path)  # JSON records parsed now: a malformed file fails before the model loads

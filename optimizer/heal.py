@@ -431,7 +431,11 @@ def heal_chunks(job, files_text: str | None = None) -> tuple[torch.Tensor, str]:
     s = job.cfg.heal
     if s.data:
         text = files_text if files_text is not None else heal_files_text(s.data, job.tok)
-        chunks, what = data.token_windows(job.tok, text, s.seq_len), "files " + ", ".join(str(p) for p in s.data)
+        what = "files " + ", ".join(str(p) for p in s.data)
+        try:
+            chunks = data.token_windows(job.tok, text, s.seq_len)
+        except UserError as e:
+            raise UserError(f"--heal-data {', '.join(str(p) for p in s.data)}: {e}") from None
     else:
         train = job.calib.train
         chunks = train.reshape(-1, heal_seq_len(s, train.shape[1]))
@@ -478,34 +482,60 @@ def heal_files_text(paths, tok) -> str:
 
 
 def read_heal_file(path: str, tok) -> str:
-    """Plain text, or JSONL whose records carry `text` or chat `messages` (rendered with the
-    model's chat template)."""
+    """Plain text, or JSON records (`.jsonl`, `.json`) that carry `text` or chat `messages`
+    (rendered with the model's chat template)."""
+    from optimizer.errors import UserError
+    records = heal_records(path)
+    if isinstance(records, str):
+        return records
+    pieces = []
+    for rec in records:
+        if isinstance(rec, str):
+            pieces.append(rec)
+        elif not getattr(tok, "chat_template", None):
+            raise UserError(f"heal data file {path}: chat `messages`, but the model has no chat template")
+        else:
+            pieces.append(tok.apply_chat_template(rec, tokenize=False))
+    return "\n\n".join(pieces)
+
+
+def heal_records(path: str) -> str | list:
+    """A heal data file without the tokenizer: its text, or for `.jsonl` / `.json` its records (a
+    `text` string, or a chat's `messages` list), one per line or (`.json`) one JSON array. Read
+    when the options are checked too, so that a malformed file is a one-line error before any model
+    is loaded."""
     import json
 
     from optimizer import data
     from optimizer.errors import UserError
     raw = data.read_text_file(path, "heal data file").text
-    if not str(path).endswith(".jsonl"):
+    suffix = str(path).lower().rsplit(".", 1)[-1]
+    if suffix not in ("jsonl", "json"):
         return raw
-    pieces = []
-    for i, line in enumerate(raw.splitlines(), 1):
-        if not line.strip():
-            continue
+    if suffix == "json" and raw.lstrip().startswith("["):
         try:
-            rec = json.loads(line)
-        except ValueError:
-            raise UserError(f"heal data file {path}: line {i} is not JSON") from None
+            parsed = list(enumerate(json.loads(raw), 1))
+        except ValueError as e:
+            raise UserError(f"heal data file {path}: not a JSON array ({e})") from None
+    else:
+        parsed = []
+        for i, line in enumerate(raw.splitlines(), 1):
+            if line.strip():
+                try:
+                    parsed.append((i, json.loads(line)))
+                except ValueError:
+                    raise UserError(f"heal data file {path}: line {i} is not JSON") from None
+    records = []
+    for i, rec in parsed:
         if isinstance(rec, dict) and isinstance(rec.get("text"), str):
-            pieces.append(rec["text"])
+            records.append(rec["text"])
         elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-            if not getattr(tok, "chat_template", None):
-                raise UserError(f"heal data file {path}: chat `messages`, but the model has no chat template")
-            pieces.append(tok.apply_chat_template(rec["messages"], tokenize=False))
+            records.append(rec["messages"])
         else:
-            raise UserError(f"heal data file {path}: line {i} has neither a `text` string nor `messages`")
-    if not pieces:
+            raise UserError(f"heal data file {path}: record {i} has neither a `text` string nor `messages`")
+    if not records:
         raise UserError(f"heal data file {path}: no records")
-    return "\n\n".join(pieces)
+    return records
 
 
 def eval_overlap(heal_text: str, eval_text: str, min_chars: int = 40, n: int = 8) -> float:

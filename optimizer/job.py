@@ -125,13 +125,13 @@ class Job:
         self.calibrate()
         if main:
             self.evaluate_dense()      # before any method: semi-structured ones edit in place
-        if self.cfg.zeroshot and main:
-            self.dense_zeroshot = self.zeroshot(self.model)
         heal = self.cfg.heal.tokens > 0
         if heal:
             # the teacher is the dense model: a copy where the method edits job.model in place
             self.teacher = copy.deepcopy(self.model) if kind.edits_in_place else self.model
-            self.check_heal_data()
+            self.check_heal_data()     # too little heal text fails here, not after minutes of zero-shot
+        if self.cfg.zeroshot and main:
+            self.dense_zeroshot = self.zeroshot(self.model)
         decision = kind.method(self)
         model = kind.surgery(self, decision)
         if heal:
@@ -139,10 +139,13 @@ class Job:
             model = heal_stage(self, model)
         if not main:
             return {"plan": self.plan, "manifest": None, "out": None}
+        unquantized_ppl = None
         if self.plan.quant != "none":
             from optimizer.quantize import quantize
+            if self.evaluation is not None:  # what quantizing costs, apart from what pruning and healing did
+                unquantized_ppl = evaluate.perplexity(model, self.evaluation.windows, "perplexity (16-bit)")
             model = quantize(self, model)
-        quality = self.quality(model)
+        quality = self.quality(model, unquantized_ppl)
         manifest = self.manifest(kind.describe(self, decision, model), quality)
         stop_if_terminated()  # a SIGTERM something swallowed: no package goes into place
         kind.export(self, model, manifest)
@@ -210,9 +213,9 @@ class Job:
                 self.log(f"warning: {what} contains {share:.1%} of the evaluation text's lines")
         self.heal_data = heal_chunks(self, files_text)
 
-    def quality(self, model) -> dict:
+    def quality(self, model, unquantized_ppl: float | None = None) -> dict:
         """The manifest's quality: perplexity (and with --zeroshot the zero-shot scores), dense
-        against the deployable model."""
+        against the deployable model; where it is quantized, also its 16-bit perplexity."""
         z = {}
         if self.cfg.zeroshot:
             from optimizer import zeroshot
@@ -225,8 +228,11 @@ class Job:
         q = {"eval": self.evaluation.description, "windows": len(self.evaluation.windows),
              "seq_len": self.cfg.data.seq_len, "dense": self.dense_ppl,
              "pruned": evaluate.perplexity(model, self.evaluation.windows, "perplexity (pruned)")}
+        if unquantized_ppl is not None:
+            q["pruned_unquantized"] = unquantized_ppl
         self.log(f"perplexity: dense {q['dense']:.3f} → pruned {q['pruned']:.3f} "
-                 f"({q['windows']} windows of {q['seq_len']})")
+                 + (f"({unquantized_ppl:.3f} before quantizing) " if unquantized_ppl is not None else "")
+                 + f"({q['windows']} windows of {q['seq_len']})")
         return {"perplexity": q, **out}
 
     # --- training -----------------------------------------------------------------------------
@@ -397,17 +403,32 @@ def staged(out: Path):
     if threading.current_thread() is threading.main_thread():
         _termination_requested = False
         previous = signal.signal(signal.SIGTERM, _terminated)
+    created = _missing_dirs(out.expanduser().resolve().parent)  # -o a/b/pkg makes a/ and a/b/: undone on failure
     try:
         tmp = prepare_output(out)  # the handler first: SIGTERM from here on raises Terminated
         yield tmp
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:  # deepest first; one that something else wrote into stays
+            try:
+                d.rmdir()
+            except OSError:
+                break
         raise  # (a SIGTERM inside prepare_output can leave its directory: the next start sweeps it)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
             _termination_requested = False
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """`path` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 _termination_requested = False

@@ -8,8 +8,12 @@ from exporters.vllm import image_version
 def _perplexity_line(q: dict | None) -> str:
     if not q:
         return "Not measured (no evaluation text)."
-    return (f"Perplexity on {q['eval']} ({q['windows']} windows of {q['seq_len']} tokens): "
-            f"dense **{q['dense']:.3f}**, pruned **{q['pruned']:.3f}**.")
+    line = (f"Perplexity on {q['eval']} ({q['windows']} windows of {q['seq_len']} tokens): "
+            f"dense **{q['dense']:.3f}**, pruned **{q['pruned']:.3f}**")
+    if q.get("pruned_unquantized") is not None:
+        u = q["pruned_unquantized"]
+        line += f" (before quantizing {u:.3f}: quantization {100 * (q['pruned'] / u - 1):+.1f}%)"
+    return line + "."
 
 
 def _zeroshot_lines(m: dict) -> list[str]:
@@ -18,7 +22,8 @@ def _zeroshot_lines(m: dict) -> list[str]:
         return []
     before = (m.get("heal") or {}).get("before", {}).get("zeroshot")
     tasks = z["tasks"]
-    rows = [("dense", z["dense"]), *((("before healing", before),) if before else ()), ("pruned", z["pruned"])]
+    last = "pruned, quantized" if m.get("quantization") else "pruned"
+    rows = [("dense", z["dense"]), *((("before healing", before),) if before else ()), (last, z["pruned"])]
     lines = ["", f"Zero-shot accuracy ({z['limit']} seeded documents a task, seed {z['seed']}):", "",
              "| | " + " | ".join(tasks) + " | mean |", "|---" * (len(tasks) + 2) + "|"]
     lines += [f"| {name} | " + " | ".join(f"{r['tasks'][t]:.3f}" for t in tasks) + f" | **{r['mean']:.3f}** |"
@@ -68,8 +73,10 @@ def _heal_lines(m: dict) -> list[str]:
         lines.append("**Healing made that KL worse, so the package keeps the unhealed weights** (try a lower "
                      "`--heal-lr` or other `--heal-data`).")
     if q and "perplexity" in b and not h.get("kept_unhealed"):
+        healed = q.get("pruned_unquantized", q["pruned"])  # the package's, where nothing was quantized
         lines.append(f"Perplexity on the evaluation text: {b['perplexity']:.3f} before healing, "
-                     f"{q['pruned']:.3f} after (dense {q['dense']:.3f}).")
+                     f"{healed:.3f} after (dense {q['dense']:.3f})"
+                     + (f"; {q['pruned']:.3f} quantized." if "pruned_unquantized" in q else "."))
     if h.get("zeros_held"):
         lines.append(f"The zeros of {h['zeros_held']} weight matrices were held through training.")
     if h.get("chat"):

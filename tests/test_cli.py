@@ -201,9 +201,9 @@ def test_failure_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file
     with pytest.raises(RuntimeError):
         CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
                                       "--eval", str(text_file), "--seq-len", "64", "--no-heal",
-                                      "-o", str(tmp_path / "pkg")],
+                                      "-o", str(tmp_path / "new" / "dirs" / "pkg")],
                            catch_exceptions=False)
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # nor the directories -o asked for above the package
 
 
 def test_sigterm_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file):
@@ -292,6 +292,10 @@ def test_a_killed_runs_temporary_directory_is_swept_at_the_next_start(tmp_path):
 def test_profiles_and_detect_commands():
     r = _run(profiles, [])
     assert r.exit_code == 0 and "h200" in r.output and "rtx5090" in r.output
+    r = _run(profiles, ["--engine-version", "0.18.0"])  # the choice matrix at another vLLM
+    assert r.exit_code == 0 and "--quant auto (vLLM 0.18.0)" in r.output
+    r = _run(profiles, ["--engine-version", "latest"])
+    assert r.exit_code == 2 and "not a version" in r.output
     r = _run(detect, [])
     assert r.exit_code == 0 and ("No NVIDIA driver" in r.output or "GPU" in r.output)
 

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from optimizer import budget
 from optimizer.adapters import get_adapter
 from optimizer.config import HealSettings
+from optimizer.errors import UserError
 from optimizer.heal import Distillation, HealConfig, kd_eval, kd_loss_backward, zero_masks
 from optimizer.methods.activation import ActivationImportance
 from optimizer.sequential import prune_blockwise
@@ -338,11 +339,13 @@ def test_the_default_heal_text_adds_the_built_in_samples_to_the_built_in_corpus_
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--heal-tokens", "-5"], "--heal-tokens and --heal-chat must be >= 0"),
+    (["--heal-tokens", "-5"], "--heal-tokens must be >= 0, got -5"),
+    (["--heal-chat", "-1"], "--heal-chat must be >= 0, got -1"),
+    (["--heal-batch", "0"], "--heal-batch must be >= 1, got 0"),
     (["--heal-tokens", "100"], "less than one step"),
     (["--heal-tokens", "8192", "--heal-time", "0"], "--heal-time"),
     (["--heal-tokens", "8192", "--heal-data", "/no/such/file.txt"], "no such file"),
-    (["--heal-tokens", "8192", "--heal-lr", "0"], "the heal learning rate > 0"),
+    (["--heal-tokens", "8192", "--heal-lr", "0"], "--heal-lr must be > 0, got 0"),
     (["--heal-memory", "tiny"], "--heal-memory"),
     (["--heal-device", "tpu"], "unknown --heal-device 'tpu'"),
     (["--heal-device", "cuda:99"], "--heal-device cuda:99: torch sees"),  # no machine has 100 GPUs
@@ -353,6 +356,50 @@ def test_bad_heal_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, a
                                       "-o", str(tmp_path / "pkg"), *args])
     assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_heal_data_reads_jsonl_and_json_records_text_and_chat(tmp_path):
+    """`text` records as they are, chat `messages` through the model's chat template; a `.json`
+    file of JSON lines or one JSON array alike; plain text otherwise."""
+    from optimizer.heal import read_heal_file
+
+    class Tok:  # a chat template that shows what it was given
+        chat_template = "stub"
+
+        @staticmethod
+        def apply_chat_template(messages, tokenize):
+            assert tokenize is False
+            return " | ".join(f"{m['role']}: {m['content']}" for m in messages)
+
+    chat = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+    records = [{"text": "First text."}, {"messages": chat}]
+    want = "First text.\n\nuser: Hi? | assistant: Hello."
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    (tmp_path / "b.json").write_text("\n".join(json.dumps(r) for r in records))
+    (tmp_path / "c.json").write_text(json.dumps(records, indent=2))
+    (tmp_path / "d.txt").write_text('{"text": "kept as it is"}')
+    for name in ("a.jsonl", "b.json", "c.json"):
+        assert read_heal_file(tmp_path / name, Tok()) == want
+    assert read_heal_file(tmp_path / "d.txt", Tok()) == '{"text": "kept as it is"}'
+    Tok.chat_template = None
+    with pytest.raises(UserError, match="no chat template"):
+        read_heal_file(tmp_path / "a.jsonl", Tok())
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"text": "fine"}\nnot json\n', "line 2 is not JSON"),
+    ('{"prompt": "no text field"}\n', "record 1 has neither a `text` string nor `messages`"),
+])
+def test_a_malformed_heal_data_file_fails_before_the_model_loads(tiny_dirs, text_file, tmp_path, content, message):
+    from optimizer.cli import optimize
+    bad = tmp_path / "data" / "heal.jsonl"
+    bad.parent.mkdir()
+    bad.write_text(content)
+    for extra in (["--dry-run"], ["-o", str(tmp_path / "out" / "pkg")]):
+        r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
+                                          "--heal-data", str(bad), *extra])
+        assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 
 def test_heal_data_holding_the_evaluation_text_is_refused(tiny_dirs, text_file, tmp_path):
@@ -459,3 +506,13 @@ def test_the_teachers_chat_answers_are_rendered_turns_of_built_in_instructions(t
     assert all(p in text for p in INSTRUCTIONS[:3])
     assert not set(CHAT_PROMPTS) & set(INSTRUCTIONS)  # the report's check stays unseen
     assert teacher_chat(teacher, tokenizer, 3, seed=0, max_new_tokens=4, batch=2) == text  # seeded
+
+
+def test_heal_time_caps_the_heal_and_the_manifest_counts_what_was_done(tiny_dirs, text_file, tmp_path):
+    """--heal-time stops a heal whose --heal-tokens would run far longer; the package is written with
+    the steps done, and the manifest and report say the cap stopped it."""
+    seq = HealSettings().seq_len
+    r, out = _heal_tiny_llama(tiny_dirs, text_file, tmp_path, "--heal-tokens", str(seq * 100_000), "--heal-time", "2")
+    h = json.loads((out / "manifest.json").read_text())["heal"]  # 100,000 steps: hours on the tiny model
+    assert h["stopped_by_time"] and 0 < h["steps"] < 100_000 and h["tokens"] == h["steps"] * seq
+    assert "stopped by the time cap" in r.output and "stopped by the time cap" in (out / "report.md").read_text()

@@ -88,6 +88,10 @@ def test_optimize_writes_an_int8_package_that_loads_and_matches_the_quantized_mo
     assert q["smoothing"]["alpha"] == 0.5 and q["smoothing"]["tokens"] == 2 * 64
     assert m["size"]["ideal_ratio_quantized"] > m["size"]["ideal_ratio"]
     assert "- quantization: W8A8" in (out / "report.md").read_text()
+    # the 16-bit model's perplexity beside the package's: what quantizing cost, in the report too
+    pq = m["quality"]["perplexity"]
+    assert pq["pruned_unquantized"] != pq["pruned"] and pq["pruned"] == pytest.approx(pq["pruned_unquantized"], rel=0.1)
+    assert f"before quantizing {pq['pruned_unquantized']:.3f}" in (out / "report.md").read_text()
     _assert_checkpoint_dtypes(out, torch.int8)
     # the package reads back (evaluate, bench) as the model the job evaluated: same perplexity
     model, _ = load.load_model(load.resolve(str(out)))
