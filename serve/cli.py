@@ -151,6 +151,7 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
         "runs": runs,
         "warmup": warmup,
         "ideal_ratio": ideal_ratio(manifest, base_manifest, base_dir),
+        "predicted": predicted_speedups(manifest, base_manifest, base_dir),
     }
     summary = report.write_report(results, out_dir)
     click.echo(report.markdown_table(summary))  # ends with the Requests: / FAILED: line
@@ -184,6 +185,19 @@ def ideal_ratio(manifest: dict, base_manifest: dict | None, base_dir: Path | Non
         if "quantization_config" in json.loads((base_dir / "config.json").read_text()):
             return None
     return own(manifest)
+
+
+def predicted_speedups(manifest: dict, base_manifest: dict | None, base_dir: Path) -> dict | None:
+    """The plan's roofline decode speedups on the package's target (batch 1 and 16, against the dense
+    source model in bf16), for the report to set beside the measured ones: only where the baseline
+    is that source model, which the prediction is about."""
+    pred = (manifest.get("plan") or {}).get("prediction")
+    src = (manifest.get("source") or {}).get("hf_dir")
+    if not pred or base_manifest is not None or not src or Path(src).resolve() != Path(base_dir).resolve():
+        return None
+    return {"target": manifest["target"]["name"], "kind": manifest["target"].get("kind"),
+            "prompt_tokens": pred.get("prompt_tokens"), "context_tokens": pred.get("context_tokens"),
+            "decode": {"1": pred["decode_speedup_b1"], "16": pred["decode_speedup_b16"]}}
 
 
 def _baseline(baseline: str | None, manifest: dict) -> tuple[Path, dict | None]:

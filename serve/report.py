@@ -205,7 +205,24 @@ def summarize(results: dict) -> dict:
         "best": best,
         "ratios": ratios,
         "requests": _requests(results, best),
+        "predicted": _predicted_vs_measured(results.get("predicted"), ratios, labels),
     }
+
+
+def _predicted_vs_measured(predicted: dict | None, ratios: dict, labels: list[str]) -> dict | None:
+    """The plan's roofline decode speedup beside the measured one (the baseline's TPOT p50 over the
+    package's, the decode steps alone) and the tokens/s ratio, at the levels the prediction has."""
+    if not predicted or len(labels) < 2:
+        return None
+    measured = ratios.get(labels[1], {})
+    levels = {}
+    for c, pred in predicted["decode"].items():
+        r = measured.get(c)
+        if r is None:
+            continue
+        levels[c] = {"predicted_decode": pred, "measured_decode": _ratio(1.0, r.get("tpot_p50")),
+                     "measured_tokens_per_s": r.get("tokens_per_s")}
+    return {**{k: v for k, v in predicted.items() if k != "decode"}, "levels": levels} if levels else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,6 +411,15 @@ def _meta_lines(meta: dict) -> list[str]:
     return out
 
 
+def _predicted_lines(p: dict | None) -> list[str]:
+    if not p:
+        return []
+    cells = "; ".join(f"c={c}: {v['predicted_decode']:.2f}× predicted, {_f(v['measured_decode'], '{:.2f}')}× measured "
+                      f"(tok/s {_f(v['measured_tokens_per_s'], '{:.2f}')}×)" for c, v in p["levels"].items())
+    return [f"- **decode speedup, predicted by the plan's roofline for {p['target']} / measured here** "
+            f"(TPOT p50 ratio): {cells}"]
+
+
 def write_report(results: dict, out_dir) -> dict:
     """Write bench.json (results + summary), bench.md and bench.png into ``out_dir``."""
     out = Path(out_dir)
@@ -405,6 +431,7 @@ def write_report(results: dict, out_dir) -> dict:
     md += _meta_lines(summary.get("meta") or {})
     if summary.get("ideal_ratio"):
         md.append(f"- **ideal tokens/s ratio**: {summary['ideal_ratio']:.2f}×")
+    md += _predicted_lines(summary.get("predicted"))
     md += ["", markdown_table(summary), BEST_OF_N_NOTE, "", "![benchmark](bench.png)", ""]
     (out / "bench.md").write_text("\n".join(md))
     plot(summary, out / "bench.png")

@@ -387,6 +387,28 @@ def test_ideal_ratio_against_another_package_is_the_quotient_of_both_ideals():
     assert ideal_ratio(pkg, {"size": {"ideal_ratio": 1.32}}) == pytest.approx(1.33 / 1.32)
 
 
+def test_the_plans_prediction_stands_beside_the_measured_decode_speedup(tmp_path):
+    """Against its dense source model, bench sets the plan's roofline decode speedup at batch 1 and
+    16 beside the measured one (the TPOT p50 ratio); against anything else it has none to set."""
+    from serve.cli import predicted_speedups
+    from serve.report import write_report
+    src = tmp_path / "src"
+    src.mkdir()
+    manifest = {"target": {"name": "cpu", "kind": "cpu"}, "source": {"hf_dir": str(src)},
+                "plan": {"prediction": {"prompt_tokens": 512, "context_tokens": 512,
+                                        "decode_speedup_b1": 1.9, "decode_speedup_b16": 1.4}}}
+    predicted = predicted_speedups(manifest, None, src)
+    assert predicted["decode"] == {"1": 1.9, "16": 1.4} and predicted["target"] == "cpu"
+    assert predicted_speedups(manifest, None, tmp_path) is None  # another model: not what was predicted
+    assert predicted_speedups(manifest, {"size": {}}, src) is None  # another package
+    summary = write_report({**_synthetic_results(), "predicted": predicted}, tmp_path / "report")
+    c1, c16 = summary["predicted"]["levels"]["1"], summary["predicted"]["levels"]["16"]
+    assert c1["measured_decode"] == pytest.approx(1 / 0.8) and c16["measured_decode"] == pytest.approx(16 / 12)
+    assert c16["predicted_decode"] == 1.4 and c16["measured_tokens_per_s"] == pytest.approx(1.2)
+    text = (tmp_path / "report" / "bench.md").read_text()
+    assert "predicted by the plan's roofline for cpu" in text and "c=16: 1.40× predicted, 1.33× measured" in text
+
+
 def test_requests_sent_succeeded_failed_per_level_and_a_failed_line():
     from serve.report import markdown_table, requests_line, summarize
 
