@@ -33,6 +33,18 @@ def _depth_would_run(cfg: OptimizeConfig, adapter, hf_config) -> bool:
     return True
 
 
+def _marlin_note(hidden: int) -> str:
+    """W4A16 on a GPU: the group size the hidden size allows, and whether vLLM's Marlin kernel,
+    which wants every input width a multiple of 128, takes the layers that read the hidden state."""
+    from optimizer.quantize import W4_GROUPS
+    group = next((g for g in W4_GROUPS if hidden % g == 0), None)
+    if hidden % 128 == 0:
+        return f" (group {group})"
+    return (f" (group {group}: the hidden size {hidden} is not a multiple of 128, which vLLM's Marlin kernel needs "
+            f"of every input width; the layers that read the hidden state need another of its 4-bit kernels, or "
+            f"vLLM refuses to load them: not run on a GPU here)")
+
+
 def _whole_blocks_prediction(target, adapter, hf_config, retain: float, plan) -> tuple[int, dict]:
     """(blocks kept, roofline) of --method depth at `retain`: that many blocks at full width."""
     from optimizer.depth import blocks_to_keep
@@ -71,6 +83,8 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         check_moe(cfg, adapter)
         planner.for_experts(plan, cfg.method, adapter.family)
     planner.choose_quant(plan, cfg.quant, not_quantized=_not_quantized(cfg, plan, moe))
+    if plan.quant == "w4a16" and target.kind != "cpu":  # the cpu target refuses shapes its kernel cannot take
+        plan.quant_reason += _marlin_note(hf_config.hidden_size)
     if cfg.format == "onnx" and plan.quant == "int8":  # not vLLM's kernel table: onnxruntime's own INT8
         plan.quant_reason = ("--quant int8 requested: onnxruntime's dynamic INT8 (MatMulInteger, run by "
                              "onnxruntime on the CPU), whatever kernels the target's GPU has")

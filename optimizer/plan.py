@@ -136,7 +136,8 @@ def choose_quant(plan: Plan, quant: str, not_quantized: str | None = None) -> No
         return
     plan.quant = quant
     if plan.target.has_quant_kernel(plan.engine, plan.engine_version, quant):
-        plan.quant_reason = f"--quant {quant} requested; {why}"
+        plan.quant_reason = (f"--quant {quant} requested; {why}" if quant == auto else
+                             f"--quant {quant} requested; auto would take {QUANT_NAMES[auto]}: {why}")
     else:
         plan.quant_reason = (f"--quant {quant} requested, but {plan.engine} {plan.engine_version} has no "
                              f"{QUANT_NAMES[quant]} kernel on {plan.target.short_name}: expect no speedup ({why})")
