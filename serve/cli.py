@@ -79,14 +79,16 @@ def serve(package, host, port, tensor_parallel_size, print_command, vllm_args):
 @click.option("--prompt-tokens", default=128, show_default=True)
 @click.option("--output-tokens", default=64, show_default=True)
 @click.option("--rounds", default=2, show_default=True, help="Alternating dense/pruned rounds; best-of-N is reported.")
+@click.option("--repeat", default=1, show_default=True,
+              help="Measurements of each level in each round (one server start); all count towards best-of-N.")
 @click.option("--port", default=8123, show_default=True)
 @click.option("--out", type=click.Path(), help="Directory for bench.json / bench.md / bench.png "
                                               "(default: bench-results/<package name>).")
 @click.option("--vllm-args", default="", help="Extra vLLM arguments for both servers, e.g. '--enforce-eager' "
                                               "(ONNX packages: ort_server arguments, e.g. '--threads 2').")
 @one_line_errors
-def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, output_tokens, rounds, port, out,
-          vllm_args):
+def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, output_tokens, rounds, repeat, port,
+          out, vllm_args):
     """Measure PACKAGE and its dense baseline side by side under the same load.
 
     Every request must succeed: bench.json (summary.requests) and bench.md state the requests
@@ -101,8 +103,8 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
         levels = sorted({int(c) for c in concurrency.split(",")})
     except ValueError:
         raise UserError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
-    if not levels or min(levels) < 1 or rounds < 1:
-        raise UserError("--concurrency levels and --rounds must be >= 1")
+    if not levels or min(levels) < 1 or rounds < 1 or repeat < 1:
+        raise UserError("--concurrency levels, --rounds and --repeat must be >= 1")
     base_dir, base_manifest = _baseline(baseline, manifest)
     name = manifest["engine"]["served_model_name"]
     out_dir = Path(out or Path("bench-results") / name)
@@ -136,16 +138,17 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
                     click.echo(f"  {label} warm-up: {_requests_text(res)}", err=True)
                 for c in levels:
                     n = requests_per_level or max(8, 2 * c)
-                    res = loadgen.run_load(base_url, served, loadgen.LoadSpec(c, n, prompt_tokens, output_tokens),
-                                           vocab, seed=r)
-                    runs[label][str(c)].append(res)
-                    click.echo(f"  {label} c={c}: {res['output_tokens_per_s']:.1f} tok/s, {_requests_text(res)}",
-                               err=True)
+                    for k in range(repeat):  # a new seed each time: no prefix-cache hit on an earlier prompt
+                        res = loadgen.run_load(base_url, served, loadgen.LoadSpec(c, n, prompt_tokens, output_tokens),
+                                               vocab, seed=r + 100_000 * k)
+                        runs[label][str(c)].append(res)
+                        click.echo(f"  {label} c={c}: {res['output_tokens_per_s']:.1f} tok/s, {_requests_text(res)}",
+                                   err=True)
     results = {
         "meta": {"package": str(Path(package).resolve()), "baseline": str(base_dir),
                  "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                  "host": platform.node(), "cpus": os.cpu_count(), "engine": _engine_version(manifest),
-                 "engine_args": manifest["engine"]["args"] + extra, "rounds": rounds,
+                 "engine_args": manifest["engine"]["args"] + extra, "rounds": rounds, "repeat": repeat,
                  "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                  "command": " ".join(sys.argv)},
         "runs": runs,

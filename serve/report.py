@@ -30,9 +30,9 @@ _LAT_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 _PCTS = ("p50", "p99")
 
 BEST_OF_N_NOTE = (
-    "Best-of-N: each model and concurrency level was run N times (rounds); the table shows the "
-    "highest output tokens/s and, separately, the lowest of each latency percentile across those "
-    "rounds, so one noisy round does not decide the comparison. Ratios compare these best values "
+    "Best-of-N: each model and concurrency level was run N times (rounds, times --repeat within a "
+    "round); the table shows the highest output tokens/s and, separately, the lowest of each latency "
+    "percentile across those runs, so one noisy run does not decide the comparison. Ratios compare these best values "
     "with the baseline's; 'of ideal' is the tokens/s ratio divided by the ideal speed-up."
 )
 

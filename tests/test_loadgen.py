@@ -497,6 +497,33 @@ def test_bench_states_lost_requests_and_fails_on_any(server, tmp_path, monkeypat
         assert "without any output tokens" in failed_lines[0] and failed_lines[0] in md
 
 
+def test_bench_repeat_measures_each_level_again_on_new_prompts(server, tmp_path, monkeypatch):
+    import contextlib
+
+    from click.testing import CliRunner
+
+    from serve import cli
+
+    srv, url = server
+    srv.mode, srv.lose_every = "ok", 0
+    monkeypatch.setattr(cli.launch, "running", lambda *a, **k: contextlib.nullcontext())  # no vLLM
+    pkg, base = _fake_package(tmp_path / "pruned-pkg", 1.5), _fake_package(tmp_path / "dense-pkg", 1.0)
+    r = CliRunner().invoke(cli.bench, [str(pkg), "--baseline", str(base), "--concurrency", "2", "--requests", "4",
+                                       "--rounds", "1", "--repeat", "3", "--prompt-tokens", "8", "--output-tokens", "3",
+                                       "--port", str(srv.server_address[1]), "--out", str(tmp_path / "b")],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    saved = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert [len(saved["runs"][label]["2"]) for label in ("dense", "pruned")] == [3, 3]
+    assert saved["summary"]["best"]["pruned"]["2"]["rounds"] == 3 and saved["meta"]["repeat"] == 3
+    prompts = [b["prompt"] for b in srv.bodies]
+    assert len(prompts) == 2 * (2 + 3 * 4)  # warm-up, then three measurements of four requests, each model
+    measured = [tuple(p) for p in prompts[2:14]]
+    assert len(set(measured)) == 12  # no prompt again within a server's life: no prefix-cache hit
+    r = CliRunner().invoke(cli.bench, [str(pkg), "--repeat", "0"])
+    assert r.exit_code == 2 and "--repeat must be >= 1" in r.output
+
+
 def test_bench_takes_a_model_directory_another_tool_wrote(tmp_path, tiny_dirs):
     """llm-compressor's W8A8 directory has no manifest: bench serves it with the packages' engine
     arguments, needs a --baseline for it (one line otherwise), and knows no ideal ratio for it."""
