@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from optimizer import distributed
+from optimizer.evaluate import head_logits
 from optimizer.methods.base import TrainedMethod
 
 ALGORITHM = ("heal-2: logit KL(teacher || student), chunked; blocks and final norm train; AdamW or Adafactor, cosine; "
@@ -209,14 +210,6 @@ def _sum_across_ranks(params: list[torch.Tensor], kd: float) -> float:
             p.grad.copy_(summed)
         offset += g.numel()
     return float(flat[-1])
-
-
-def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The logits `model` gives for its last hidden states: the head, then the final softcapping
-    some configs add after it (Gemma 2: cap · tanh(logits / cap))."""
-    logits = model.get_output_embeddings()(hidden)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def kd_loss_backward(student, teacher, input_ids: torch.Tensor, chunk: int, dtype: str = "float32",

@@ -22,6 +22,7 @@ from exporters import vllm as vllm_export
 from optimizer import budget, report
 from optimizer import plan as planner
 from optimizer.errors import UserError
+from optimizer.evaluate import mean_loss
 from optimizer.job import MAX_MODEL_LEN, Decision, Job
 from optimizer.methods.activation import ActivationImportance
 from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts, peak_rss_gib
@@ -276,7 +277,3 @@ def per_layer_retention(adapter, config, masks, costs) -> dict:
     return {"retain": sum(adapter.block_params(config, s) for s in shapes) / (n * adapter.block_params(config, dense)),
             "retain_budget": sum(budget.block_cost(costs, s) for s in shapes) / (n * budget.block_cost(costs, dense))}
 
-
-@torch.inference_mode()
-def mean_loss(model, windows: torch.Tensor) -> float:
-    return sum(model(w[None], labels=w[None]).loss.item() for w in windows) / len(windows)

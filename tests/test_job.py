@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from optimizer import load
 from optimizer.job import batch_indices, dense_perplexity
+from tests.conftest import FAMILIES, tiny_model
 
 
 def _model_dir(tmp_path, fill: float):
@@ -64,3 +66,27 @@ def test_a_checkpoint_is_keyed_by_the_calibration_text_and_the_model_not_their_p
     assert keys[0] != keys[1]
     _model_dir(tmp_path, 5)
     assert job.checkpoint("ddp", ["settings"]) != keys[1]
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma2-softcap"])
+def test_perplexity_and_loss_computed_a_chunk_of_logits_at_a_time_are_the_full_logits(family, monkeypatch):
+    """evaluate.perplexity and mean_loss hold LOGIT_CHUNK positions' logits at a time (a 262k
+    vocabulary is gigabytes a window): the same figures as the model's own full logits and loss,
+    final softcapping included."""
+    import math
+
+    import torch.nn.functional as F
+
+    from optimizer import evaluate as ev
+    model = tiny_model(family.removesuffix("-softcap"))
+    if family.endswith("-softcap"):
+        model.config.final_logit_softcapping = 5.0
+    assert ev._decoder(model) is not None  # the chunked path, not the fallback to the full logits
+    monkeypatch.setattr(ev, "LOGIT_CHUNK", 7)  # windows of 40 tokens: several chunks and a ragged last one
+    windows = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        losses = [model(w[None], labels=w[None]).loss.item() for w in windows]
+        full = [F.cross_entropy(model(w[None]).logits[0, :-1].float(), w[1:], reduction="sum").item()
+                for w in windows]
+    assert ev.mean_loss(model, windows) == pytest.approx(sum(losses) / 3, rel=1e-5)
+    assert ev.perplexity(model, windows) == pytest.approx(math.exp(sum(full) / (3 * 39)), rel=1e-5)
