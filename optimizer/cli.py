@@ -145,7 +145,7 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
 
 
 @click.command()
-@click.option("--engine-version", help="The vLLM whose kernels decide the --quant auto column (default: 0.32.0).")
+@click.option("--engine-version", help="The vLLM whose kernels decide the --quant auto column (default: 0.32.0, as optimize's).")
 @one_line_errors
 def profiles(engine_version):
     """List the deployment targets and what each offers."""

@@ -222,6 +222,7 @@ def validate(cfg: OptimizeConfig) -> None:
                        *((p, "heal data file") for p in h.data or ())):
         if path is not None:
             data.read_text_file(path, what)  # raises on missing / empty / binary
-    from optimizer.heal import heal_records
-    for path in h.data or ():
-        heal_records(path)  # JSON records parsed now: a malformed file fails before the model loads
+    if h.data:
+        from optimizer.heal import heal_records
+        for path in h.data:
+            heal_records(path)  # JSON records parsed now: a malformed file fails before the model loads

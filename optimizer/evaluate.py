@@ -19,26 +19,31 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The logits `model` gives for its last hidden states: the head, then the final softcapping
     some configs add after it (Gemma 2: cap · tanh(logits / cap))."""
     logits = model.get_output_embeddings()(hidden)
-    cap = getattr(model.config, "final_logit_softcapping", None)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(cfg, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def _decoder(model):
-    """The model without its head, where its logits are `head_logits` of its last hidden states;
-    None where they are something else (a logit scale) or the model has no separate decoder."""
-    if getattr(model.config, "logit_scale", None):
-        return None
+def _decoder(model, probe: torch.Tensor):
+    """The model without its head, where the model's logits are `head_logits` of its last hidden
+    states — checked once on the first 64 tokens of `probe` against the model's own forward pass
+    (some architectures scale the logits after the head); None where they are not, or the model
+    has no separate decoder: then the full logits it is."""
     try:
-        decoder = model.get_decoder()
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
     except (AttributeError, NotImplementedError):
         return None
-    return decoder if decoder is not None and decoder is not model and model.get_output_embeddings() else None
+    if decoder is None or head is None or decoder is model:
+        return None
+    ids = probe[None, :64]
+    ref = model(ids, use_cache=False).logits.float()
+    got = head_logits(model, decoder(ids, use_cache=False).last_hidden_state).float()
+    return decoder if torch.allclose(got, ref, atol=1e-3 * (ref.abs().max().item() + 1), rtol=0) else None
 
 
-def window_nll(model, w: torch.Tensor) -> float:
-    """Summed next-token negative log-likelihood of one window [T] (T - 1 predictions), the
-    logits of LOGIT_CHUNK positions at a time."""
-    decoder = _decoder(model)
+def window_nll(model, w: torch.Tensor, decoder) -> float:
+    """Summed next-token negative log-likelihood of one window [T] (T - 1 predictions); with
+    `decoder` (`_decoder`'s), the logits of LOGIT_CHUNK positions at a time."""
     if decoder is None:
         logits = model(w[None], use_cache=False).logits[0, :-1].float()
         return F.cross_entropy(logits, w[1:], reduction="sum").item()
@@ -54,8 +59,9 @@ def window_nll(model, w: torch.Tensor) -> float:
 def perplexity(model, windows: torch.Tensor, desc: str = "perplexity") -> float:
     nll, count = 0.0, 0
     device = next(model.parameters()).device
+    decoder = _decoder(model, windows[0].to(device))
     for w in tqdm(windows, desc=desc, leave=False, unit="win"):
-        nll += window_nll(model, w.to(device))
+        nll += window_nll(model, w.to(device), decoder)
         count += w.numel() - 1
     return math.exp(nll / count)
 
@@ -64,4 +70,5 @@ def perplexity(model, windows: torch.Tensor, desc: str = "perplexity") -> float:
 def mean_loss(model, windows: torch.Tensor) -> float:
     """The mean of the windows' mean next-token loss (what a model's own `labels=` loss gives)."""
     device = next(model.parameters()).device
-    return sum(window_nll(model, w.to(device)) / (w.numel() - 1) for w in windows) / len(windows)
+    decoder = _decoder(model, windows[0].to(device))
+    return sum(window_nll(model, w.to(device), decoder) / (w.numel() - 1) for w in windows) / len(windows)

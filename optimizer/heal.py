@@ -494,7 +494,7 @@ def read_heal_file(path: str, tok) -> str:
 
 def heal_records(path: str) -> str | list:
     """A heal data file without the tokenizer: its text, or for `.jsonl` / `.json` its records (a
-    `text` string, or a chat's `messages` list), one per line or (`.json`) one JSON array. Read
+    `text` string, or a chat's `messages` list), one per line or (`.json`) one JSON array or object. Read
     when the options are checked too, so that a malformed file is a one-line error before any model
     is loaded."""
     import json
@@ -505,11 +505,15 @@ def heal_records(path: str) -> str | list:
     suffix = str(path).lower().rsplit(".", 1)[-1]
     if suffix not in ("jsonl", "json"):
         return raw
-    if suffix == "json" and raw.lstrip().startswith("["):
+    raw = raw.removeprefix("\ufeff")  # a byte-order mark some editors write
+    whole = None
+    if suffix == "json":
         try:
-            parsed = list(enumerate(json.loads(raw), 1))
-        except ValueError as e:
-            raise UserError(f"heal data file {path}: not a JSON array ({e})") from None
+            whole = json.loads(raw)  # one array of records, or one record
+        except ValueError:
+            pass  # JSON lines
+    if whole is not None:
+        parsed = list(enumerate(whole if isinstance(whole, list) else [whole], 1))
     else:
         parsed = []
         for i, line in enumerate(raw.splitlines(), 1):

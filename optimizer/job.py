@@ -143,7 +143,7 @@ class Job:
         if self.plan.quant != "none":
             from optimizer.quantize import quantize
             if self.evaluation is not None:  # what quantizing costs, apart from what pruning and healing did
-                unquantized_ppl = evaluate.perplexity(model, self.evaluation.windows, "perplexity (16-bit)")
+                unquantized_ppl = evaluate.perplexity(model, self.evaluation.windows, "perplexity (unquantized)")
             model = quantize(self, model)
         quality = self.quality(model, unquantized_ppl)
         manifest = self.manifest(kind.describe(self, decision, model), quality)
@@ -403,8 +403,9 @@ def staged(out: Path):
     if threading.current_thread() is threading.main_thread():
         _termination_requested = False
         previous = signal.signal(signal.SIGTERM, _terminated)
-    created = _missing_dirs(out.expanduser().resolve().parent)  # -o a/b/pkg makes a/ and a/b/: undone on failure
+    created = []
     try:
+        created = _missing_dirs(out.expanduser().resolve().parent)  # -o a/b/pkg makes a/ and a/b/: undone on failure
         tmp = prepare_output(out)  # the handler first: SIGTERM from here on raises Terminated
         yield tmp
     except BaseException:

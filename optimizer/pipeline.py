@@ -34,15 +34,14 @@ def _depth_would_run(cfg: OptimizeConfig, adapter, hf_config) -> bool:
 
 
 def _marlin_note(hidden: int) -> str:
-    """W4A16 on a GPU: the group size the hidden size allows, and whether vLLM's Marlin kernel,
-    which wants every input width a multiple of 128, takes the layers that read the hidden state."""
-    from optimizer.quantize import W4_GROUPS
-    group = next((g for g in W4_GROUPS if hidden % g == 0), None)
+    """W4A16 on a GPU: vLLM's Marlin kernel wants every input width a multiple of 128, which the
+    hidden size (the input of q/k/v and gate/up) decides before any pruning."""
     if hidden % 128 == 0:
-        return f" (group {group})"
-    return (f" (group {group}: the hidden size {hidden} is not a multiple of 128, which vLLM's Marlin kernel needs "
-            f"of every input width; the layers that read the hidden state need another of its 4-bit kernels, or "
-            f"vLLM refuses to load them: not run on a GPU here)")
+        return (" (groups of the largest of 128 / 64 / 32 every pruned input width takes; vLLM's Marlin kernel "
+                "wants each a multiple of 128: the quantize stage names those that are not)")
+    return (f" (the hidden size {hidden} is not a multiple of 128, which vLLM's Marlin kernel wants of every input "
+            f"width: q/k/v and gate/up need another of its 4-bit kernels, or vLLM refuses to load them; not run on "
+            f"a GPU here)")
 
 
 def _whole_blocks_prediction(target, adapter, hf_config, retain: float, plan) -> tuple[int, dict]:

@@ -69,7 +69,8 @@ def quantize(job, model):
     if slow and precision == "w4a16" and job.target.kind == "cpu":
         raise UserError(f"--quant w4a16 for the cpu target: {slow[0]}; use --quant int8, or a --retain "
                         f"whose widths are multiples of 32")
-    for line in slow:
+    marlin = marlin_misses(model, job.adapter) if precision == "w4a16" and job.target.kind != "cpu" else []
+    for line in [*slow, *marlin]:
         job.log(f"quantize: {line}")
     weight_bytes = quantized_bytes(model)
     grid = f"per group of {group} input columns" if group else "per output channel"
@@ -77,7 +78,7 @@ def quantize(job, model):
                         "weights": f"symmetric absmax {grid}, {rounding}", "group_size": group,
                         "smoothing": smoothing, "gptq": errors,
                         "activations": "dynamic per token" if quantizes_activations(precision) else "16-bit",
-                        "linears": n, "ignore": IGNORE, "cpu_kernel_shape_misses": slow,
+                        "linears": n, "ignore": IGNORE, "cpu_kernel_shape_misses": slow, "marlin_misses": marlin,
                         "reason": job.plan.quant_reason, **weight_bytes, "wall_s": round(time.time() - started, 1)}
     job.log(f"quantized: {n} Linear layers to {PRESETS[precision]}{f' (group {group})' if group else ''}, "
             f"{f'smoothed (alpha {SMOOTH_ALPHA}), ' if smoothing else ''}{rounding} "
@@ -197,6 +198,21 @@ def quantize_for_onnxruntime(job, model, windows, started):
 
 def quantizes_activations(precision: str) -> bool:
     return precision in ("int8", "fp8")
+
+
+MARLIN_K = 128  # vLLM's GPTQ Marlin kernel: input widths a multiple of this (marlin_utils.GPTQ_MARLIN_MIN_THREAD_K)
+
+
+def marlin_misses(model, adapter) -> list[str]:
+    """W4A16 on a GPU: the block Linears whose input width vLLM's Marlin kernel does not take, one
+    line a projection and width (another of its 4-bit kernels must take them, if any does)."""
+    found: dict[tuple[str, int], int] = {}
+    for block in adapter.blocks(model):
+        for name, lin in adapter.linears(block).items():
+            if lin.in_features % MARLIN_K:
+                found[(name, lin.in_features)] = found.get((name, lin.in_features), 0) + 1
+    return [f"{name}: input width {k} is not a multiple of {MARLIN_K}, which vLLM's Marlin kernel wants "
+            f"({n} layers)" for (name, k), n in sorted(found.items())]
 
 
 def w4_group(model, adapter) -> int:

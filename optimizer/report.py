@@ -43,7 +43,8 @@ def _quant_lines(m: dict) -> list[str]:
             f"layers; weights {size['weight_bytes_quantized'] / 1e6:.0f} MB against the dense model's "
             f"{per_value * size['params_dense'] / 1e6:.0f} MB in {dense} (ideal speedup from bytes: "
             f"{size['ideal_ratio_quantized']:.2f}x)"] + [
-        f"  - kernel shapes: {line}" for line in q.get("cpu_kernel_shape_misses") or []]
+        f"  - kernel shapes: {line}" for line in [*(q.get("cpu_kernel_shape_misses") or []),
+                                                    *(q.get("marlin_misses") or [])]]
 
 
 def _recipe(c: dict) -> str:

@@ -198,7 +198,9 @@ def predicted_speedups(manifest: dict, base_manifest: dict | None, base_dir: Pat
     src = (manifest.get("source") or {}).get("hf_dir")
     if not pred or base_manifest is not None or not src or Path(src).resolve() != Path(base_dir).resolve():
         return None
+    import torch
     return {"target": manifest["target"]["name"], "kind": manifest["target"].get("kind"),
+            "host": "gpu" if torch.cuda.is_available() else "cpu",
             "prompt_tokens": pred.get("prompt_tokens"), "context_tokens": pred.get("context_tokens"),
             "decode": {"1": pred["decode_speedup_b1"], "16": pred["decode_speedup_b16"]}}
 

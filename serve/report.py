@@ -411,13 +411,17 @@ def _meta_lines(meta: dict) -> list[str]:
     return out
 
 
-def _predicted_lines(p: dict | None) -> list[str]:
+def _predicted_lines(p: dict | None, meta: dict) -> list[str]:
     if not p:
         return []
+    if (p.get("kind") == "cpu") != (p.get("host") == "cpu"):
+        return [f"- **the plan's roofline** is for {p['target']} ({p.get('kind')}); this machine served the models on "
+                f"its {p.get('host')}: not set side by side (bench.json has both)"]
     cells = "; ".join(f"c={c}: {v['predicted_decode']:.2f}× predicted, {_f(v['measured_decode'], '{:.2f}')}× measured "
                       f"(tok/s {_f(v['measured_tokens_per_s'], '{:.2f}')}×)" for c, v in p["levels"].items())
     return [f"- **decode speedup, predicted by the plan's roofline for {p['target']} / measured here** "
-            f"(TPOT p50 ratio): {cells}"]
+            f"(TPOT p50 ratio; the roofline at a {p.get('prompt_tokens')}-token prompt and context, measured at "
+            f"{meta.get('prompt_tokens')} + {meta.get('output_tokens')}): {cells}"]
 
 
 def write_report(results: dict, out_dir) -> dict:
@@ -431,7 +435,7 @@ def write_report(results: dict, out_dir) -> dict:
     md += _meta_lines(summary.get("meta") or {})
     if summary.get("ideal_ratio"):
         md.append(f"- **ideal tokens/s ratio**: {summary['ideal_ratio']:.2f}×")
-    md += _predicted_lines(summary.get("predicted"))
+    md += _predicted_lines(summary.get("predicted"), summary.get("meta") or {})
     md += ["", markdown_table(summary), BEST_OF_N_NOTE, "", "![benchmark](bench.png)", ""]
     (out / "bench.md").write_text("\n".join(md))
     plot(summary, out / "bench.png")

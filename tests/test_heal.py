@@ -378,9 +378,11 @@ def test_heal_data_reads_jsonl_and_json_records_text_and_chat(tmp_path):
     (tmp_path / "b.json").write_text("\n".join(json.dumps(r) for r in records))
     (tmp_path / "c.json").write_text(json.dumps(records, indent=2))
     (tmp_path / "d.txt").write_text('{"text": "kept as it is"}')
+    (tmp_path / "e.json").write_text("\ufeff" + json.dumps(records[0], indent=2))  # one record, a byte-order mark
     for name in ("a.jsonl", "b.json", "c.json"):
         assert read_heal_file(tmp_path / name, Tok()) == want
     assert read_heal_file(tmp_path / "d.txt", Tok()) == '{"text": "kept as it is"}'
+    assert read_heal_file(tmp_path / "e.json", Tok()) == "First text."
     Tok.chat_template = None
     with pytest.raises(UserError, match="no chat template"):
         read_heal_file(tmp_path / "a.jsonl", Tok())

@@ -68,25 +68,45 @@ def test_a_checkpoint_is_keyed_by_the_calibration_text_and_the_model_not_their_p
     assert job.checkpoint("ddp", ["settings"]) != keys[1]
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "gemma2-softcap"])
+def _family_model(family: str):
+    if family == "phi3":
+        from tests.test_phi3 import tiny_phi3
+        return tiny_phi3()
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        from tests.test_moe import tiny_moe
+        return tiny_moe(family)
+    model = tiny_model(family.removesuffix("-softcap"))
+    if family.endswith("-softcap"):
+        model.config.final_logit_softcapping = 5.0
+    return model
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma2-softcap", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+                                    "scaled-after-the-head"])
 def test_perplexity_and_loss_computed_a_chunk_of_logits_at_a_time_are_the_full_logits(family, monkeypatch):
     """evaluate.perplexity and mean_loss hold LOGIT_CHUNK positions' logits at a time (a 262k
     vocabulary is gigabytes a window): the same figures as the model's own full logits and loss,
-    final softcapping included."""
+    final softcapping included; a model whose logits are more than its head's (here scaled after
+    it, as Granite's are) is found out by the first window's check and scored on its full logits."""
     import math
 
     import torch.nn.functional as F
 
     from optimizer import evaluate as ev
-    model = tiny_model(family.removesuffix("-softcap"))
-    if family.endswith("-softcap"):
-        model.config.final_logit_softcapping = 5.0
-    assert ev._decoder(model) is not None  # the chunked path, not the fallback to the full logits
+    model = _family_model("llama" if family == "scaled-after-the-head" else family)
+    if family == "scaled-after-the-head":
+        forward = model.forward
+
+        def scaled(*a, **k):
+            out = forward(*a, **k)
+            out.logits = out.logits * 0.5
+            return out
+        monkeypatch.setattr(model, "forward", scaled)
     monkeypatch.setattr(ev, "LOGIT_CHUNK", 7)  # windows of 40 tokens: several chunks and a ragged last one
     windows = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        losses = [model(w[None], labels=w[None]).loss.item() for w in windows]
+        assert (ev._decoder(model, windows[0]) is None) == (family == "scaled-after-the-head")
         full = [F.cross_entropy(model(w[None]).logits[0, :-1].float(), w[1:], reduction="sum").item()
                 for w in windows]
-    assert ev.mean_loss(model, windows) == pytest.approx(sum(losses) / 3, rel=1e-5)
+    assert ev.mean_loss(model, windows) == pytest.approx(sum(full) / (3 * 39), rel=1e-5)
     assert ev.perplexity(model, windows) == pytest.approx(math.exp(sum(full) / (3 * 39)), rel=1e-5)

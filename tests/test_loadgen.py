@@ -401,12 +401,19 @@ def test_the_plans_prediction_stands_beside_the_measured_decode_speedup(tmp_path
     assert predicted["decode"] == {"1": 1.9, "16": 1.4} and predicted["target"] == "cpu"
     assert predicted_speedups(manifest, None, tmp_path) is None  # another model: not what was predicted
     assert predicted_speedups(manifest, {"size": {}}, src) is None  # another package
+    predicted["host"] = "cpu"  # as on this machine: the target's kind, so the figures stand side by side
     summary = write_report({**_synthetic_results(), "predicted": predicted}, tmp_path / "report")
     c1, c16 = summary["predicted"]["levels"]["1"], summary["predicted"]["levels"]["16"]
     assert c1["measured_decode"] == pytest.approx(1 / 0.8) and c16["measured_decode"] == pytest.approx(16 / 12)
     assert c16["predicted_decode"] == 1.4 and c16["measured_tokens_per_s"] == pytest.approx(1.2)
     text = (tmp_path / "report" / "bench.md").read_text()
     assert "predicted by the plan's roofline for cpu" in text and "c=16: 1.40× predicted, 1.33× measured" in text
+    # a GPU target's roofline measured on a CPU: said, not set beside
+    gpu = {**predicted, "target": "a100", "kind": "gpu"}
+    write_report({**_synthetic_results(), "predicted": gpu}, tmp_path / "report-gpu")
+    text = (tmp_path / "report-gpu" / "bench.md").read_text()
+    assert "is for a100 (gpu); this machine served the models on its cpu: not set side by side" in text
+    assert "× predicted" not in text
 
 
 def test_requests_sent_succeeded_failed_per_level_and_a_failed_line():
