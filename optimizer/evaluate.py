@@ -24,7 +24,7 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def _decoder(model, probe: torch.Tensor):
+def logits_decoder(model, probe: torch.Tensor):
     """The model without its head, where the model's logits are `head_logits` of its last hidden
     states — checked once on the first 64 tokens of `probe` against the model's own forward pass
     (some architectures scale the logits after the head); None where they are not, or the model
@@ -43,7 +43,7 @@ def _decoder(model, probe: torch.Tensor):
 
 def window_nll(model, w: torch.Tensor, decoder) -> float:
     """Summed next-token negative log-likelihood of one window [T] (T - 1 predictions); with
-    `decoder` (`_decoder`'s), the logits of LOGIT_CHUNK positions at a time."""
+    `decoder` (`logits_decoder`'s), the logits of LOGIT_CHUNK positions at a time."""
     if decoder is None:
         logits = model(w[None], use_cache=False).logits[0, :-1].float()
         return F.cross_entropy(logits, w[1:], reduction="sum").item()
@@ -59,7 +59,7 @@ def window_nll(model, w: torch.Tensor, decoder) -> float:
 def perplexity(model, windows: torch.Tensor, desc: str = "perplexity") -> float:
     nll, count = 0.0, 0
     device = next(model.parameters()).device
-    decoder = _decoder(model, windows[0].to(device))
+    decoder = logits_decoder(model, windows[0].to(device))
     for w in tqdm(windows, desc=desc, leave=False, unit="win"):
         nll += window_nll(model, w.to(device), decoder)
         count += w.numel() - 1
@@ -70,5 +70,5 @@ def perplexity(model, windows: torch.Tensor, desc: str = "perplexity") -> float:
 def mean_loss(model, windows: torch.Tensor) -> float:
     """The mean of the windows' mean next-token loss (what a model's own `labels=` loss gives)."""
     device = next(model.parameters()).device
-    decoder = _decoder(model, windows[0].to(device))
+    decoder = logits_decoder(model, windows[0].to(device))
     return sum(window_nll(model, w.to(device), decoder) / (w.numel() - 1) for w in windows) / len(windows)

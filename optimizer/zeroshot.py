@@ -150,24 +150,13 @@ def max_length(model) -> int:
     return int(getattr(cfg, "max_position_embeddings", None) or 2048)
 
 
-def _head_parts(model):
-    """(decoder, head) when logits are just head(decoder(x)); None when the model adds more."""
-    cfg = model.config
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
-        return None
-    try:
-        decoder, head = model.get_decoder(), model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    return (decoder, head) if decoder is not None and head is not None and decoder is not model else None
-
-
 def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], batch_tokens: int = 4096,
                    desc: str = "zero-shot", progress: bool = True) -> list[float]:
     """Sum of log P(continuation | context) for each (context ids, continuation ids) pair."""
     import torch
     from tqdm import tqdm
 
+    from optimizer import evaluate
     limit = max_length(model)
     # Model input and the continuation it scores; identical inputs are run once.
     jobs: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
@@ -178,9 +167,9 @@ def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], batch_tokens
         jobs.setdefault(inp, []).append((k, cont[-limit:]))
     seqs = sorted(jobs, key=lambda s: -len(s))  # longest first: a batch's padding stays small
     out = [0.0] * len(pairs)
-    parts = _head_parts(model)
-    checked = parts is None
     device = next(model.parameters()).device
+    # decoder, then the head at the scored positions only, where that is the model's own logits
+    decoder = evaluate.logits_decoder(model, torch.tensor(seqs[0], device=device)) if seqs else None
     bar = tqdm(total=len(pairs), desc=desc, unit="choice", leave=False, disable=not progress)
     i = 0
     with torch.inference_mode():
@@ -203,18 +192,9 @@ def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], batch_tokens
                     owners += [k] * len(cont)
             ids, mask = ids.to(device), mask.to(device)
             rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
-            if parts is not None:
-                decoder, head = parts
+            if decoder is not None:
                 hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-                logits = head(hidden[rows_t, cols_t]).float()
-                if not checked:  # once: head(decoder(x)) must be the model's own logits
-                    full = model(input_ids=ids[:1], attention_mask=mask[:1], use_cache=False).logits[0].float()
-                    sel = rows_t == 0
-                    ref = full[cols_t[sel]]
-                    if not torch.allclose(logits[sel], ref, atol=1e-3 * (ref.abs().max().item() + 1), rtol=0):
-                        parts = None
-                        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[rows_t, cols_t].float()
-                    checked = True
+                logits = evaluate.head_logits(model, hidden[rows_t, cols_t]).float()
             else:
                 logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[rows_t, cols_t].float()
             lp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(targets, device=device)[:, None])[:, 0]

@@ -105,7 +105,7 @@ def test_perplexity_and_loss_computed_a_chunk_of_logits_at_a_time_are_the_full_l
     monkeypatch.setattr(ev, "LOGIT_CHUNK", 7)  # windows of 40 tokens: several chunks and a ragged last one
     windows = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (ev._decoder(model, windows[0]) is None) == (family == "scaled-after-the-head")
+        assert (ev.logits_decoder(model, windows[0]) is None) == (family == "scaled-after-the-head")
         full = [F.cross_entropy(model(w[None]).logits[0, :-1].float(), w[1:], reduction="sum").item()
                 for w in windows]
     assert ev.mean_loss(model, windows) == pytest.approx(sum(full) / (3 * 39), rel=1e-5)

@@ -94,7 +94,8 @@ def test_batched_scoring_matches_one_by_one(tasks, tokenizer, monkeypatch):
     ref = [_reference_loglikelihood(model, c, x, limit) for c, x in pairs]
     fast = zeroshot.loglikelihoods(model, pairs, batch_tokens=600, progress=False)  # several padded batches
     assert fast == pytest.approx(ref, abs=2e-4)
-    monkeypatch.setattr(zeroshot, "_head_parts", lambda m: None)  # full-logits path
+    from optimizer import evaluate
+    monkeypatch.setattr(evaluate, "logits_decoder", lambda m, probe: None)  # full-logits path
     assert zeroshot.loglikelihoods(model, pairs, batch_tokens=10**5, progress=False) == pytest.approx(ref, abs=2e-4)
 
 
