@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -81,14 +82,19 @@ def serve(package, host, port, tensor_parallel_size, print_command, vllm_args):
 @click.option("--rounds", default=2, show_default=True, help="Alternating dense/pruned rounds; best-of-N is reported.")
 @click.option("--repeat", default=1, show_default=True,
               help="Measurements of each level in each round (one server start); all count towards best-of-N.")
-@click.option("--port", default=8123, show_default=True)
+@click.option("--port", default=8123, show_default=True, help="The baseline's port (and the package's; with "
+                                                                 "--interleave the package's is the next one).")
+@click.option("--interleave", is_flag=True,
+              help="Run both servers at once and measure them in turn, measurement by measurement, so the machine's "
+                   "drift falls on both alike (memory for both needed; on a GPU give each its share, e.g. "
+                   "--vllm-args '--gpu-memory-utilization 0.45'). Default: one server at a time, a start a round.")
 @click.option("--out", type=click.Path(), help="Directory for bench.json / bench.md / bench.png "
                                               "(default: bench-results/<package name>).")
 @click.option("--vllm-args", default="", help="Extra vLLM arguments for both servers, e.g. '--enforce-eager' "
                                               "(ONNX packages: ort_server arguments, e.g. '--threads 2').")
 @one_line_errors
 def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, output_tokens, rounds, repeat, port,
-          out, vllm_args):
+          interleave, out, vllm_args):
     """Measure PACKAGE and its dense baseline side by side under the same load.
 
     Every request must succeed: bench.json (summary.requests) and bench.md state the requests
@@ -111,44 +117,26 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     extra = shlex.split(vllm_args)
     vocab = json.loads((Path(package) / "config.json").read_text())["vocab_size"]
     host = "127.0.0.1"
-    base_url = f"http://{host}:{port}"
     if base_manifest is None:  # a model directory: vLLM with the package's arguments
         dense_cmd = launch.server_command(str(base_dir), "dense", manifest["engine"]["args"]) + \
             ["--host", host, "--port", str(port), *extra]
     else:
         dense_cmd = launch.package_command(base_dir, base_manifest, host, port, extra, served_name="dense")
+    # each server's command at a port (the second one's when both run at once) and its served name
     servers = {
-        "dense": (dense_cmd, "dense"),
-        "pruned": (launch.package_command(package, manifest, host, port, extra), name),
+        "dense": (lambda p: _with_port(dense_cmd, p), "dense"),
+        "pruned": (lambda p: launch.package_command(package, manifest, host, p, extra), name),
     }
-    runs = {"dense": {str(c): [] for c in levels}, "pruned": {str(c): [] for c in levels}}
-    warmup = {"dense": [], "pruned": []}  # not measured, but its requests must not be lost either
     env = launch.server_env(manifest)
-    for r in range(rounds):
-        order = ["dense", "pruned"] if r % 2 == 0 else ["pruned", "dense"]  # cancel slow drift
-        for label in order:
-            cmd, served = servers[label]
-            click.echo(f"round {r + 1}/{rounds}: starting {label} server", err=True)
-            with launch.running(cmd, env, base_url, out_dir / f"server-{label}-{r + 1}.log"):
-                # Warm-up: first requests pay for graph capture / allocator growth.
-                res = loadgen.run_load(base_url, served, loadgen.LoadSpec(max(levels), max(levels), prompt_tokens,
-                                                                           output_tokens), vocab, seed=10_000 + r)
-                warmup[label].append(res)
-                if res["failed"]:
-                    click.echo(f"  {label} warm-up: {_requests_text(res)}", err=True)
-                for c in levels:
-                    n = requests_per_level or max(8, 2 * c)
-                    for k in range(repeat):  # a new seed each time: no prefix-cache hit on an earlier prompt
-                        res = loadgen.run_load(base_url, served, loadgen.LoadSpec(c, n, prompt_tokens, output_tokens),
-                                               vocab, seed=r + 100_000 * k)
-                        runs[label][str(c)].append(res)
-                        click.echo(f"  {label} c={c}: {res['output_tokens_per_s']:.1f} tok/s, {_requests_text(res)}",
-                                   err=True)
+    measure = _measure_interleaved if interleave else _measure_alternating
+    runs, warmup = measure(servers, env, host, port, out_dir, levels, rounds, repeat,
+                           loadgen_args=(requests_per_level, prompt_tokens, output_tokens, vocab))
     results = {
         "meta": {"package": str(Path(package).resolve()), "baseline": str(base_dir),
                  "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                  "host": platform.node(), "cpus": os.cpu_count(), "engine": _engine_version(manifest),
                  "engine_args": manifest["engine"]["args"] + extra, "rounds": rounds, "repeat": repeat,
+                 "interleave": interleave,
                  "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                  "command": " ".join(sys.argv)},
         "runs": runs,
@@ -162,6 +150,76 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     if not summary["requests"]["all_succeeded"]:
         click.echo(report.requests_line(summary), err=True)
         sys.exit(1)
+
+
+def _measure_alternating(servers, env, host, port, out_dir, levels, rounds, repeat, loadgen_args):
+    """One server at a time: each round starts the baseline and the package in turn (the order
+    alternates round by round, against slow drift) and measures every level `repeat` times."""
+    runs = {label: {str(c): [] for c in levels} for label in servers}
+    warmup = {label: [] for label in servers}  # not measured, but its requests must not be lost either
+    base_url = f"http://{host}:{port}"
+    for r in range(rounds):
+        order = ["dense", "pruned"] if r % 2 == 0 else ["pruned", "dense"]  # cancel slow drift
+        for label in order:
+            cmd, served = servers[label]
+            click.echo(f"round {r + 1}/{rounds}: starting {label} server", err=True)
+            with launch.running(cmd(port), env, base_url, out_dir / f"server-{label}-{r + 1}.log"):
+                warmup[label].append(_warm_up(base_url, served, label, levels, r, loadgen_args))
+                for c in levels:
+                    for k in range(repeat):  # a new seed each time: no prefix-cache hit on an earlier prompt
+                        runs[label][str(c)].append(_measure_once(base_url, served, label, c, r + 100_000 * k,
+                                                                 loadgen_args))
+    return runs, warmup
+
+
+def _measure_interleaved(servers, env, host, port, out_dir, levels, rounds, repeat, loadgen_args):
+    """Both servers up at once (the package's at port + 1), measured in turn at every level: each
+    measurement of one lies next to one of the other in time, so a drift of the machine between
+    server starts (here up to half the speed) cannot fall on one side. Needs memory for both."""
+    runs = {label: {str(c): [] for c in levels} for label in servers}
+    warmup = {label: [] for label in servers}
+    urls = {"dense": f"http://{host}:{port}", "pruned": f"http://{host}:{port + 1}"}
+    with contextlib.ExitStack() as stack:
+        for label, p in (("dense", port), ("pruned", port + 1)):
+            cmd, served = servers[label]
+            click.echo(f"starting {label} server at port {p}", err=True)
+            stack.enter_context(launch.running(cmd(p), env, urls[label], out_dir / f"server-{label}.log"))
+        for r in range(rounds):
+            click.echo(f"round {r + 1}/{rounds}", err=True)
+            for label in servers:
+                warmup[label].append(_warm_up(urls[label], servers[label][1], label, levels, r, loadgen_args))
+            for c in levels:
+                for k in range(repeat):
+                    order = ["dense", "pruned"] if (r * repeat + k) % 2 == 0 else ["pruned", "dense"]
+                    for label in order:  # the same prompts to both (the same seed); each server sees them once
+                        runs[label][str(c)].append(_measure_once(urls[label], servers[label][1], label, c,
+                                                                 r + 100_000 * k, loadgen_args))
+    return runs, warmup
+
+
+def _warm_up(base_url, served, label, levels, r, loadgen_args) -> dict:
+    """First requests pay for graph capture / allocator growth: run, not measured."""
+    _, prompt_tokens, output_tokens, vocab = loadgen_args
+    res = loadgen.run_load(base_url, served, loadgen.LoadSpec(max(levels), max(levels), prompt_tokens, output_tokens),
+                           vocab, seed=10_000 + r)
+    if res["failed"]:
+        click.echo(f"  {label} warm-up: {_requests_text(res)}", err=True)
+    return res
+
+
+def _measure_once(base_url, served, label, c, seed, loadgen_args) -> dict:
+    requests_per_level, prompt_tokens, output_tokens, vocab = loadgen_args
+    n = requests_per_level or max(8, 2 * c)
+    res = loadgen.run_load(base_url, served, loadgen.LoadSpec(c, n, prompt_tokens, output_tokens), vocab, seed=seed)
+    click.echo(f"  {label} c={c}: {res['output_tokens_per_s']:.1f} tok/s, {_requests_text(res)}", err=True)
+    return res
+
+
+def _with_port(cmd: list[str], port: int) -> list[str]:
+    """The server command with its --port replaced."""
+    cmd = list(cmd)
+    cmd[cmd.index("--port") + 1] = str(port)
+    return cmd
 
 
 def _requests_text(res: dict) -> str:

@@ -33,7 +33,10 @@ BEST_OF_N_NOTE = (
     "Best-of-N: each model and concurrency level was run N times (rounds, times --repeat within a "
     "round); the table shows the highest output tokens/s and, separately, the lowest of each latency "
     "percentile across those runs, so one noisy run does not decide the comparison. Ratios compare these best values "
-    "with the baseline's; 'of ideal' is the tokens/s ratio divided by the ideal speed-up."
+    "with the baseline's; 'of ideal' is the tokens/s ratio divided by the ideal speed-up. 'paired' takes each "
+    "measurement with the baseline's measurement of the same index (the same prompts, in the same round; with "
+    "--interleave, the one just before or after it): the median of those N ratios and their range, which the "
+    "machine's drift between server starts moves less than the best-of-N ratio."
 )
 
 
@@ -136,6 +139,18 @@ def _best(rounds: list[dict]) -> dict:
     return cell
 
 
+def _paired(runs: list[dict], base_runs: list[dict]) -> dict | None:
+    """Tokens/s ratio of each measurement to the baseline's of the same index: median, min, max."""
+    pairs = [_ratio(_num(a.get("output_tokens_per_s")), _num(b.get("output_tokens_per_s")))
+             for a, b in zip(runs or [], base_runs or [])]
+    pairs = sorted(p for p in pairs if p is not None)
+    if not pairs or len(runs) != len(base_runs):
+        return None
+    n = len(pairs)
+    median = pairs[n // 2] if n % 2 else (pairs[n // 2 - 1] + pairs[n // 2]) / 2
+    return {"median": median, "min": pairs[0], "max": pairs[-1], "n": n}
+
+
 def summarize(results: dict) -> dict:
     """Best-of-N per label and concurrency, plus ratios against the baseline (first) label.
 
@@ -147,7 +162,7 @@ def summarize(results: dict) -> dict:
                                  "sent", "completed", "failed", "ttft_ms": {"p50","p99"},
                                  "tpot_ms": {...}, "e2e_ms": {...}}}},
          "ratios": {label: {conc: {"tokens_per_s", "ttft_p50", "tpot_p50", "e2e_p50",
-                                   "fraction_of_ideal"}}},
+                                   "fraction_of_ideal", "paired": {"median", "min", "max", "n"} | None}}},
          "requests": {"sent", "succeeded", "failed", "all_succeeded",
                       "levels": {label: {conc: {"sent", "succeeded", "failed"}}},
                       "warmup": {label: {"sent", "succeeded", "failed"}},
@@ -194,6 +209,7 @@ def summarize(results: dict) -> dict:
             r["fraction_of_ideal"] = (
                 _ratio(r["tokens_per_s"], ideal) if (ideal and label != baseline) else None
             )
+            r["paired"] = None if label == baseline else _paired((runs.get(label) or {}).get(c), (runs.get(baseline) or {}).get(c))
             ratios[label][c] = r
 
     return {
@@ -241,7 +257,7 @@ def markdown_table(summary: dict) -> str:
     header = [
         "concurrency", "model", "output tok/s",
         "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50", "E2E p99",
-        f"tok/s vs {base}", ideal_hdr, "failed",
+        f"tok/s vs {base}", ideal_hdr, "paired: median (range)", "failed",
     ]
     align = ["---:", ":---"] + ["---:"] * (len(header) - 2)
     lines = [
@@ -267,6 +283,7 @@ def markdown_table(summary: dict) -> str:
                 _f(r.get("tokens_per_s"), "{:.2f}×"),
                 _f(None if r.get("fraction_of_ideal") is None else 100 * r["fraction_of_ideal"],
                    "{:.0f}%"),
+                _paired_text(r.get("paired")),
                 f"{cell['failed']}/{cell['completed'] + cell['failed']}",
             ]
             lines.append("| " + " | ".join(row) + " |")
@@ -276,6 +293,10 @@ def markdown_table(summary: dict) -> str:
     if "requests" in summary:
         lines += ["", requests_line(summary)]
     return "\n".join(lines) + "\n"
+
+
+def _paired_text(p: dict | None) -> str:
+    return "—" if not p else f"{p['median']:.2f}× ({p['min']:.2f}–{p['max']:.2f}, {p['n']})"
 
 
 def requests_line(summary: dict) -> str:

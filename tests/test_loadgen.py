@@ -349,6 +349,13 @@ def test_summarize_ratios():
     assert s["ratios"]["dense"]["1"]["tokens_per_s"] == pytest.approx(1.0)
     json.dumps(s)  # serialisable
 
+    # paired: each measurement against the baseline's of the same index (1200/800, 1100/1000)
+    assert r16["paired"] == {"median": pytest.approx(1.3), "min": pytest.approx(1.1), "max": pytest.approx(1.5), "n": 2}
+    assert s["ratios"]["dense"]["16"]["paired"] is None
+    uneven = _synthetic_results()
+    uneven["runs"]["pruned"]["16"].append(_run(900, 50, 12, 800, 16))
+    assert summarize(uneven)["ratios"]["pruned"]["16"]["paired"] is None  # no index to pair by
+
     no_ideal = summarize({**_synthetic_results(), "ideal_ratio": None})
     assert no_ideal["ratios"]["pruned"]["1"]["fraction_of_ideal"] is None
 
@@ -529,6 +536,45 @@ def test_bench_repeat_measures_each_level_again_on_new_prompts(server, tmp_path,
     assert len(set(measured)) == 12  # no prompt again within a server's life: no prefix-cache hit
     r = CliRunner().invoke(cli.bench, [str(pkg), "--repeat", "0"])
     assert r.exit_code == 2 and "--repeat must be >= 1" in r.output
+
+
+def test_bench_interleave_runs_both_servers_at_once_and_pairs_neighbours(tmp_path, monkeypatch):
+    """--interleave: both servers up together (the package's at port + 1), measurements alternating
+    one by one with the same prompts to each; under a drift that halves the machine's speed from one
+    measurement to the next, the paired median still finds the package's 1.5x."""
+    import contextlib
+
+    from click.testing import CliRunner
+
+    from serve import cli
+    started, calls = [], []
+
+    @contextlib.contextmanager
+    def running(cmd, env, base_url, log_path, timeout_s=600):
+        started.append((cmd[cmd.index("--port") + 1], base_url, log_path.name))
+        yield None
+
+    def run_load(base_url, model, spec, vocab, seed=0):
+        m = sum(c[2] == 8 for c in calls)  # measurements so far: a pair shares the machine's speed
+        calls.append((base_url, model, spec.num_requests, seed))
+        speed = (150.0 if base_url.endswith(":9001") else 100.0) * 0.5 ** (m // 2 % 2)
+        return _run(speed, 10, 5, 100, spec.concurrency)
+    monkeypatch.setattr(cli.launch, "running", running)
+    monkeypatch.setattr(cli.loadgen, "run_load", run_load)
+    pkg, base = _fake_package(tmp_path / "pruned-pkg", 1.5), _fake_package(tmp_path / "dense-pkg", 1.0)
+    r = CliRunner().invoke(cli.bench, [str(pkg), "--baseline", str(base), "--concurrency", "4", "--rounds", "2",
+                                       "--repeat", "2", "--port", "9000", "--interleave", "--out", str(tmp_path / "b")],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert started == [("9000", "http://127.0.0.1:9000", "server-dense.log"),
+                       ("9001", "http://127.0.0.1:9001", "server-pruned.log")]  # once each, together
+    measured = [c for c in calls if c[2] == 8]  # a warm-up sends 4 requests (the top level's), a measurement 8
+    assert [c[0][-4:] for c in measured] == ["9000", "9001", "9001", "9000"] * 2  # in turn, order alternating
+    assert [c[3] for c in measured[0::2]] == [c[3] for c in measured[1::2]]  # the same prompts to both
+    saved = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert saved["meta"]["interleave"] is True and len(saved["runs"]["pruned"]["4"]) == 4
+    assert saved["summary"]["ratios"]["pruned"]["4"]["paired"]["median"] == pytest.approx(1.5)
+    assert "1.50× (1.50–1.50, 4)" in (tmp_path / "b" / "bench.md").read_text()
 
 
 def test_bench_takes_a_model_directory_another_tool_wrote(tmp_path, tiny_dirs):
