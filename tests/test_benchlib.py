@@ -195,12 +195,15 @@ def test_serving_figures():
     fig = benchlib.serving_figures(_summary(), 2.0)
     assert set(fig) == {"1", "16"}
     assert fig["16"] == {"dense_tok_s": 200.0, "pruned_tok_s": 270.0, "ratio": 1.35, "fraction_of_ideal": 1.35 / 2.0,
-                         "tpot_p50_ms": {"dense": 80.0, "pruned": 60.0}}
+                         "paired": None, "tpot_p50_ms": {"dense": 80.0, "pruned": 60.0}}
     assert fig["1"]["ratio"] == 1.25 and fig["1"]["fraction_of_ideal"] == 1.25 / 2.0
     # the ideal defaults to the summary's own: then the fraction is summarize()'s
     fig = benchlib.serving_figures(_summary(1.5))
     assert fig["16"]["fraction_of_ideal"] == _summary(1.5)["ratios"]["pruned"]["16"]["fraction_of_ideal"]
     assert benchlib.serving_figures(_summary(None))["16"]["fraction_of_ideal"] is None
+    paired = _summary()
+    paired["ratios"]["pruned"]["16"]["paired"] = {"median": 1.3, "min": 1.2, "max": 1.4, "n": 6}
+    assert benchlib.serving_figures(paired)["16"]["paired"]["median"] == 1.3
 
 
 def test_serving_figures_decode_step_model():
