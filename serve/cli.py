@@ -174,23 +174,25 @@ def _measure_alternating(servers, env, host, port, out_dir, levels, rounds, repe
 
 def _measure_interleaved(servers, env, host, port, out_dir, levels, rounds, repeat, loadgen_args):
     """Both servers up at once (the package's at port + 1), measured in turn at every level: each
-    measurement of one lies next to one of the other in time, so a drift of the machine between
-    server starts (here up to half the speed) cannot fall on one side. Needs memory for both."""
+    measurement of one lies next to one of the other in time, so a drift of the machine cannot fall
+    on one side. Each round starts both anew, in alternating order, so that the rounds sample
+    several server starts and neither side always starts second. Needs memory for both."""
     runs = {label: {str(c): [] for c in levels} for label in servers}
     warmup = {label: [] for label in servers}
     urls = {"dense": f"http://{host}:{port}", "pruned": f"http://{host}:{port + 1}"}
-    with contextlib.ExitStack() as stack:
-        for label, p in (("dense", port), ("pruned", port + 1)):
-            cmd, served = servers[label]
-            click.echo(f"starting {label} server at port {p}", err=True)
-            stack.enter_context(launch.running(cmd(p), env, urls[label], out_dir / f"server-{label}.log"))
-        for r in range(rounds):
-            click.echo(f"round {r + 1}/{rounds}", err=True)
-            for label in servers:
+    for r in range(rounds):
+        starts = ["dense", "pruned"] if r % 2 == 0 else ["pruned", "dense"]
+        with contextlib.ExitStack() as stack:
+            for label in starts:
+                cmd, served = servers[label]
+                p = int(urls[label].rsplit(":", 1)[1])
+                click.echo(f"round {r + 1}/{rounds}: starting {label} server at port {p}", err=True)
+                stack.enter_context(launch.running(cmd(p), env, urls[label], out_dir / f"server-{label}-{r + 1}.log"))
+            for label in starts:
                 warmup[label].append(_warm_up(urls[label], servers[label][1], label, levels, r, loadgen_args))
             for c in levels:
                 for k in range(repeat):
-                    order = ["dense", "pruned"] if (r * repeat + k) % 2 == 0 else ["pruned", "dense"]
+                    order = starts if k % 2 == 0 else starts[::-1]
                     for label in order:  # the same prompts to both (the same seed); each server sees them once
                         runs[label][str(c)].append(_measure_once(urls[label], servers[label][1], label, c,
                                                                  r + 100_000 * k, loadgen_args))

@@ -539,9 +539,10 @@ def test_bench_repeat_measures_each_level_again_on_new_prompts(server, tmp_path,
 
 
 def test_bench_interleave_runs_both_servers_at_once_and_pairs_neighbours(tmp_path, monkeypatch):
-    """--interleave: both servers up together (the package's at port + 1), measurements alternating
-    one by one with the same prompts to each; under a drift that halves the machine's speed from one
-    measurement to the next, the paired median still finds the package's 1.5x."""
+    """--interleave: both servers up together (the package's at port + 1), started anew each round in
+    alternating order, measurements alternating one by one with the same prompts to each; under a
+    drift that halves the machine's speed from one pair to the next, the paired median still finds
+    the package's 1.5x."""
     import contextlib
 
     from click.testing import CliRunner
@@ -566,10 +567,12 @@ def test_bench_interleave_runs_both_servers_at_once_and_pairs_neighbours(tmp_pat
                                        "--repeat", "2", "--port", "9000", "--interleave", "--out", str(tmp_path / "b")],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    assert started == [("9000", "http://127.0.0.1:9000", "server-dense.log"),
-                       ("9001", "http://127.0.0.1:9001", "server-pruned.log")]  # once each, together
+    assert started == [("9000", "http://127.0.0.1:9000", "server-dense-1.log"),
+                       ("9001", "http://127.0.0.1:9001", "server-pruned-1.log"),
+                       ("9001", "http://127.0.0.1:9001", "server-pruned-2.log"),  # round 2: the other first
+                       ("9000", "http://127.0.0.1:9000", "server-dense-2.log")]
     measured = [c for c in calls if c[2] == 8]  # a warm-up sends 4 requests (the top level's), a measurement 8
-    assert [c[0][-4:] for c in measured] == ["9000", "9001", "9001", "9000"] * 2  # in turn, order alternating
+    assert [c[0][-4:] for c in measured] == ["9000", "9001", "9001", "9000", "9001", "9000", "9000", "9001"]
     assert [c[3] for c in measured[0::2]] == [c[3] for c in measured[1::2]]  # the same prompts to both
     saved = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert saved["meta"]["interleave"] is True and len(saved["runs"]["pruned"]["4"]) == 4
