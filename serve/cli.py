@@ -115,6 +115,9 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     name = manifest["engine"]["served_model_name"]
     out_dir = Path(out or Path("bench-results") / name)
     extra = shlex.split(vllm_args)
+    if any(a == "--port" or a.startswith("--port=") for a in extra):
+        raise UserError("--vllm-args must not set --port: give bench --port (with --interleave the package "
+                        "takes the next one)")
     vocab = json.loads((Path(package) / "config.json").read_text())["vocab_size"]
     host = "127.0.0.1"
     if base_manifest is None:  # a model directory: vLLM with the package's arguments
@@ -123,9 +126,10 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     else:
         dense_cmd = launch.package_command(base_dir, base_manifest, host, port, extra, served_name="dense")
     # each server's command at a port (the second one's when both run at once) and its served name
+    pruned_cmd = launch.package_command(package, manifest, host, port, extra)  # built once: it may print a note
     servers = {
         "dense": (lambda p: _with_port(dense_cmd, p), "dense"),
-        "pruned": (lambda p: launch.package_command(package, manifest, host, p, extra), name),
+        "pruned": (lambda p: _with_port(pruned_cmd, p), name),
     }
     env = launch.server_env(manifest)
     measure = _measure_interleaved if interleave else _measure_alternating

@@ -34,9 +34,12 @@ BEST_OF_N_NOTE = (
     "round); the table shows the highest output tokens/s and, separately, the lowest of each latency "
     "percentile across those runs, so one noisy run does not decide the comparison. Ratios compare these best values "
     "with the baseline's; 'of ideal' is the tokens/s ratio divided by the ideal speed-up. 'paired' takes each "
-    "measurement with the baseline's measurement of the same index (the same prompts, in the same round; with "
-    "--interleave, the one just before or after it): the median of those N ratios and their range, which the "
-    "machine's drift between server starts moves less than the best-of-N ratio."
+    "measurement with the baseline's measurement of the same index (the same prompts, in the same round): the "
+    "median of those N ratios and their range."
+)
+INTERLEAVED_NOTE = (
+    "Interleaved (--interleave): both servers were up at once and measured in turn, so each pair's two "
+    "measurements lie next to each other in time."
 )
 
 
@@ -457,7 +460,8 @@ def write_report(results: dict, out_dir) -> dict:
     if summary.get("ideal_ratio"):
         md.append(f"- **ideal tokens/s ratio**: {summary['ideal_ratio']:.2f}×")
     md += _predicted_lines(summary.get("predicted"), summary.get("meta") or {})
-    md += ["", markdown_table(summary), BEST_OF_N_NOTE, "", "![benchmark](bench.png)", ""]
+    notes = [BEST_OF_N_NOTE] + ([INTERLEAVED_NOTE] if (summary.get("meta") or {}).get("interleave") else [])
+    md += ["", markdown_table(summary), " ".join(notes), "", "![benchmark](bench.png)", ""]
     (out / "bench.md").write_text("\n".join(md))
     plot(summary, out / "bench.png")
     return summary

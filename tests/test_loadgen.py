@@ -355,6 +355,8 @@ def test_summarize_ratios():
     uneven = _synthetic_results()
     uneven["runs"]["pruned"]["16"].append(_run(900, 50, 12, 800, 16))
     assert summarize(uneven)["ratios"]["pruned"]["16"]["paired"] is None  # no index to pair by
+    uneven["runs"]["dense"]["16"].append(_run(600, 50, 12, 800, 16))  # three pairs: 1.5, 1.1, 1.5
+    assert summarize(uneven)["ratios"]["pruned"]["16"]["paired"]["median"] == pytest.approx(1.5)
 
     no_ideal = summarize({**_synthetic_results(), "ideal_ratio": None})
     assert no_ideal["ratios"]["pruned"]["1"]["fraction_of_ideal"] is None
@@ -548,12 +550,17 @@ def test_bench_interleave_runs_both_servers_at_once_and_pairs_neighbours(tmp_pat
     from click.testing import CliRunner
 
     from serve import cli
-    started, calls = [], []
+    started, calls, events = [], [], []
 
     @contextlib.contextmanager
     def running(cmd, env, base_url, log_path, timeout_s=600):
-        started.append((cmd[cmd.index("--port") + 1], base_url, log_path.name))
-        yield None
+        port = cmd[cmd.index("--port") + 1]
+        started.append((port, base_url, log_path.name))
+        events.append(("up", port))
+        try:
+            yield None
+        finally:
+            events.append(("down", port))
 
     def run_load(base_url, model, spec, vocab, seed=0):
         m = sum(c[2] == 8 for c in calls)  # measurements so far: a pair shares the machine's speed
@@ -572,12 +579,28 @@ def test_bench_interleave_runs_both_servers_at_once_and_pairs_neighbours(tmp_pat
                        ("9001", "http://127.0.0.1:9001", "server-pruned-2.log"),  # round 2: the other first
                        ("9000", "http://127.0.0.1:9000", "server-dense-2.log")]
     measured = [c for c in calls if c[2] == 8]  # a warm-up sends 4 requests (the top level's), a measurement 8
+    assert events == [("up", "9000"), ("up", "9001"), ("down", "9001"), ("down", "9000"),  # both up together,
+                      ("up", "9001"), ("up", "9000"), ("down", "9000"), ("down", "9001")]  # both down each round
     assert [c[0][-4:] for c in measured] == ["9000", "9001", "9001", "9000", "9001", "9000", "9000", "9001"]
     assert [c[3] for c in measured[0::2]] == [c[3] for c in measured[1::2]]  # the same prompts to both
     saved = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert saved["meta"]["interleave"] is True and len(saved["runs"]["pruned"]["4"]) == 4
     assert saved["summary"]["ratios"]["pruned"]["4"]["paired"]["median"] == pytest.approx(1.5)
-    assert "1.50× (1.50–1.50, 4)" in (tmp_path / "b" / "bench.md").read_text()
+    md = (tmp_path / "b" / "bench.md").read_text()
+    assert "1.50× (1.50–1.50, 4)" in md and "Interleaved (--interleave)" in md
+
+    # a failure while measuring stops both servers; --port inside --vllm-args is refused in one line
+    events.clear()
+
+    def failing(*a, **k):
+        raise RuntimeError("server gone")
+    monkeypatch.setattr(cli.loadgen, "run_load", failing)
+    with pytest.raises(RuntimeError, match="server gone"):
+        CliRunner().invoke(cli.bench, [str(pkg), "--baseline", str(base), "--port", "9000", "--interleave",
+                                       "--out", str(tmp_path / "c")], catch_exceptions=False)
+    assert events == [("up", "9000"), ("up", "9001"), ("down", "9001"), ("down", "9000")]
+    r = CliRunner().invoke(cli.bench, [str(pkg), "--baseline", str(base), "--vllm-args", "--port 9005"])
+    assert r.exit_code == 2 and "must not set --port" in r.output and len(r.output.strip().splitlines()) == 1
 
 
 def test_bench_takes_a_model_directory_another_tool_wrote(tmp_path, tiny_dirs):
