@@ -97,7 +97,9 @@ def main() -> None:
                  "onnx_bytes": m["onnx"]["bytes"], "export_s": c["export_s"], "validate_s": c["validate_s"],
                  "validation": {"prefill_max_abs_diff": c["prefill"]["logits_max_abs_diff"],
                                 "decode_max_abs_diff": c["decode"]["logits_max_abs_diff"],
-                                "greedy_matched": c["greedy"]["matched"], "greedy_tokens": c["greedy"]["tokens"]}}
+                                "greedy_matched": c["greedy"]["matched"], "greedy_tokens": c["greedy"]["tokens"],
+                                "greedy_parted_at_near_tie": c["greedy"].get("parted_at_near_tie"),
+                                "tolerance_of_scale": c.get("tolerance_of_scale")}}
         if retain == 1.0:
             results["dense"] = entry
         else:
@@ -154,11 +156,16 @@ def _markdown(results: dict) -> str:
                      f(lv.get("perplexity")), f"{lv['onnx_bytes'] / 1e6:.0f}",
                      f"{lv['ideal_ratio']:.2f}x", *cells, f"{lv['export_s']:.1f} s", f"{lv['validate_s']:.1f} s"])
     lines.append(benchlib.markdown_table(header, rows, align="lllrrr" + "rrr" * len(levels) + "rr"))
-    lines += ["", "Validation on export (max |logit diff| vs PyTorch, prefill / decode; greedy tokens identical):", ""]
+    lines += ["", "Validation on export (max |logit diff| vs PyTorch, prefill / decode; greedy tokens matched, or where "
+                  "the two parted at a near-tie, which the check allows; an INT8 graph is held to its fake-quantized "
+                  "PyTorch twin with a wider tolerance, docs/onnx.md):", ""]
     for lv in ([d] if d else []) + results["levels"]:
         v = lv["validation"]
+        tie = v.get("greedy_parted_at_near_tie")
         lines.append(f"- r={lv['retain']:.2f}: {v['prefill_max_abs_diff']:.2e} / {v['decode_max_abs_diff']:.2e}; "
-                     f"greedy {v['greedy_matched']}/{v['greedy_tokens']}")
+                     f"greedy {v['greedy_matched']}/{v['greedy_tokens']}"
+                     + (f", parted at a near-tie at step {tie['step']} (logit margin {tie['logit_margin']:.3f})"
+                        if tie else ""))
     return "\n".join(lines) + "\n"
 
 
