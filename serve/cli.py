@@ -10,6 +10,7 @@ import platform
 import shlex
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 
@@ -125,8 +126,8 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
             ["--host", host, "--port", str(port), *extra]
     else:
         dense_cmd = launch.package_command(base_dir, base_manifest, host, port, extra, served_name="dense")
-    # each server's command at a port (the second one's when both run at once) and its served name
     pruned_cmd = launch.package_command(package, manifest, host, port, extra)  # built once: it may print a note
+    # each server's command at a given port (the package's is the next one when both run at once), its served name
     servers = {
         "dense": (lambda p: _with_port(dense_cmd, p), "dense"),
         "pruned": (lambda p: _with_port(pruned_cmd, p), name),
@@ -134,7 +135,7 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     env = launch.server_env(manifest)
     measure = _measure_interleaved if interleave else _measure_alternating
     runs, warmup = measure(servers, env, host, port, out_dir, levels, rounds, repeat,
-                           loadgen_args=(requests_per_level, prompt_tokens, output_tokens, vocab))
+                           _Load(requests_per_level, prompt_tokens, output_tokens, vocab))
     results = {
         "meta": {"package": str(Path(package).resolve()), "baseline": str(base_dir),
                  "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -156,7 +157,7 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
         sys.exit(1)
 
 
-def _measure_alternating(servers, env, host, port, out_dir, levels, rounds, repeat, loadgen_args):
+def _measure_alternating(servers, env, host, port, out_dir, levels, rounds, repeat, load):
     """One server at a time: each round starts the baseline and the package in turn (the order
     alternates round by round, against slow drift) and measures every level `repeat` times."""
     runs = {label: {str(c): [] for c in levels} for label in servers}
@@ -168,55 +169,64 @@ def _measure_alternating(servers, env, host, port, out_dir, levels, rounds, repe
             cmd, served = servers[label]
             click.echo(f"round {r + 1}/{rounds}: starting {label} server", err=True)
             with launch.running(cmd(port), env, base_url, out_dir / f"server-{label}-{r + 1}.log"):
-                warmup[label].append(_warm_up(base_url, served, label, levels, r, loadgen_args))
+                warmup[label].append(_warm_up(base_url, served, label, levels, r, load))
                 for c in levels:
                     for k in range(repeat):  # a new seed each time: no prefix-cache hit on an earlier prompt
                         runs[label][str(c)].append(_measure_once(base_url, served, label, c, r + 100_000 * k,
-                                                                 loadgen_args))
+                                                                 load))
     return runs, warmup
 
 
-def _measure_interleaved(servers, env, host, port, out_dir, levels, rounds, repeat, loadgen_args):
+def _measure_interleaved(servers, env, host, port, out_dir, levels, rounds, repeat, load):
     """Both servers up at once (the package's at port + 1), measured in turn at every level: each
     measurement of one lies next to one of the other in time, so a drift of the machine cannot fall
     on one side. Each round starts both anew, in alternating order, so that the rounds sample
     several server starts and neither side always starts second. Needs memory for both."""
     runs = {label: {str(c): [] for c in levels} for label in servers}
     warmup = {label: [] for label in servers}
-    urls = {"dense": f"http://{host}:{port}", "pruned": f"http://{host}:{port + 1}"}
+    ports = {"dense": port, "pruned": port + 1}
+    urls = {label: f"http://{host}:{p}" for label, p in ports.items()}
     for r in range(rounds):
         starts = ["dense", "pruned"] if r % 2 == 0 else ["pruned", "dense"]
         with contextlib.ExitStack() as stack:
             for label in starts:
-                cmd, served = servers[label]
-                p = int(urls[label].rsplit(":", 1)[1])
-                click.echo(f"round {r + 1}/{rounds}: starting {label} server at port {p}", err=True)
-                stack.enter_context(launch.running(cmd(p), env, urls[label], out_dir / f"server-{label}-{r + 1}.log"))
+                cmd, _ = servers[label]
+                click.echo(f"round {r + 1}/{rounds}: starting {label} server at port {ports[label]}", err=True)
+                stack.enter_context(launch.running(cmd(ports[label]), env, urls[label],
+                                                   out_dir / f"server-{label}-{r + 1}.log"))
             for label in starts:
-                warmup[label].append(_warm_up(urls[label], servers[label][1], label, levels, r, loadgen_args))
+                warmup[label].append(_warm_up(urls[label], servers[label][1], label, levels, r, load))
             for c in levels:
                 for k in range(repeat):
                     order = starts if k % 2 == 0 else starts[::-1]
                     for label in order:  # the same prompts to both (the same seed); each server sees them once
                         runs[label][str(c)].append(_measure_once(urls[label], servers[label][1], label, c,
-                                                                 r + 100_000 * k, loadgen_args))
+                                                                 r + 100_000 * k, load))
     return runs, warmup
 
 
-def _warm_up(base_url, served, label, levels, r, loadgen_args) -> dict:
+class _Load(NamedTuple):
+    """What every measurement sends: requests per level (None: max(8, 2 x concurrency)), token counts, vocabulary."""
+    requests_per_level: int | None
+    prompt_tokens: int
+    output_tokens: int
+    vocab: int
+
+
+def _warm_up(base_url, served, label, levels, r, load: _Load) -> dict:
     """First requests pay for graph capture / allocator growth: run, not measured."""
-    _, prompt_tokens, output_tokens, vocab = loadgen_args
-    res = loadgen.run_load(base_url, served, loadgen.LoadSpec(max(levels), max(levels), prompt_tokens, output_tokens),
-                           vocab, seed=10_000 + r)
+    res = loadgen.run_load(base_url, served, loadgen.LoadSpec(max(levels), max(levels), load.prompt_tokens,
+                                                              load.output_tokens), load.vocab, seed=10_000 + r)
     if res["failed"]:
         click.echo(f"  {label} warm-up: {_requests_text(res)}", err=True)
     return res
 
 
-def _measure_once(base_url, served, label, c, seed, loadgen_args) -> dict:
-    requests_per_level, prompt_tokens, output_tokens, vocab = loadgen_args
-    n = requests_per_level or max(8, 2 * c)
-    res = loadgen.run_load(base_url, served, loadgen.LoadSpec(c, n, prompt_tokens, output_tokens), vocab, seed=seed)
+def _measure_once(base_url, served, label, c, seed, load: _Load) -> dict:
+    """One measurement of one server at concurrency c, echoed as it ends."""
+    n = load.requests_per_level or max(8, 2 * c)
+    res = loadgen.run_load(base_url, served, loadgen.LoadSpec(c, n, load.prompt_tokens, load.output_tokens),
+                           load.vocab, seed=seed)
     click.echo(f"  {label} c={c}: {res['output_tokens_per_s']:.1f} tok/s, {_requests_text(res)}", err=True)
     return res
 

@@ -144,10 +144,11 @@ def _best(rounds: list[dict]) -> dict:
 
 def _paired(runs: list[dict], base_runs: list[dict]) -> dict | None:
     """Tokens/s ratio of each measurement to the baseline's of the same index: median, min, max."""
-    pairs = [_ratio(_num(a.get("output_tokens_per_s")), _num(b.get("output_tokens_per_s")))
-             for a, b in zip(runs or [], base_runs or [])]
-    pairs = sorted(p for p in pairs if p is not None)
-    if not pairs or len(runs) != len(base_runs):
+    if not runs or not base_runs or len(runs) != len(base_runs):
+        return None  # nothing to pair by index
+    pairs = sorted(p for p in (_ratio(_num(a.get("output_tokens_per_s")), _num(b.get("output_tokens_per_s")))
+                               for a, b in zip(runs, base_runs)) if p is not None)
+    if not pairs:
         return None
     n = len(pairs)
     median = pairs[n // 2] if n % 2 else (pairs[n // 2 - 1] + pairs[n // 2]) / 2
@@ -212,7 +213,8 @@ def summarize(results: dict) -> dict:
             r["fraction_of_ideal"] = (
                 _ratio(r["tokens_per_s"], ideal) if (ideal and label != baseline) else None
             )
-            r["paired"] = None if label == baseline else _paired((runs.get(label) or {}).get(c), (runs.get(baseline) or {}).get(c))
+            r["paired"] = None if label == baseline else _paired((runs.get(label) or {}).get(c),
+                                                                 (runs.get(baseline) or {}).get(c))
             ratios[label][c] = r
 
     return {

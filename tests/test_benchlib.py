@@ -289,3 +289,34 @@ def test_heal_dense_from_copies_a_matching_dense_row_and_refuses_another_protoco
     assert heal._dense_from(folder, no_zeroshot) == {**dense, "measured_in": str(folder)}
     with pytest.raises(SystemExit, match="no heal.json"):
         heal._dense_from(tmp_path, protocol)
+
+
+# --- the bench scripts' tables -------------------------------------------------------------------
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quant_table_gives_the_paired_ratio_and_says_what_it_is():
+    quant = _load_script("quant")
+    run = json.loads((ROOT / "bench/results/quant/2026-12-06-c01e3c5-cpu-interleave/quant.json").read_text())
+    md = quant.markdown(run)
+    assert "| 1.96 (paired 1.86, 1.41–2.33) |" in md and "| 1.23 (paired 1.29, 0.90–1.60) |" in md
+    assert "paired: the median and range" in md and "neighbours in time" in md  # an interleaved run
+    run["protocol"]["interleave"] = False
+    assert "paired: the median and range" in quant.markdown(run) and "neighbours in time" not in quant.markdown(run)
+    row = run["variants"]["cpu0.70"]
+    row["serving"]["vs_dense"]["16"]["paired"] = None  # a run from before the paired ratio: best-of-N alone
+    assert quant._ratio(row, "dense", "16") == "1.96"
+
+
+def test_onnx_table_names_a_greedy_parting_at_a_near_tie():
+    onnx_script = _load_script("onnx")
+    run = json.loads((ROOT / "bench/results/onnx/2026-12-06-c01e3c5-int8/onnx.json").read_text())
+    run["levels"][0]["validation"]["greedy_parted_at_near_tie"] = {"step": 2, "logit_margin": 0.0496}
+    md = onnx_script._markdown(run)
+    assert "- r=0.70: 3.60e+00 / 7.31e-01; greedy 1/32, parted at a near-tie at token 2 (logit margin 0.050)" in md
+    assert "- r=1.00: 3.85e-04 / 5.53e-05; greedy 32/32\n" in md  # the dense graph matched all the way

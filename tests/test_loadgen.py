@@ -599,8 +599,9 @@ def test_bench_interleave_runs_both_servers_at_once_and_pairs_neighbours(tmp_pat
         CliRunner().invoke(cli.bench, [str(pkg), "--baseline", str(base), "--port", "9000", "--interleave",
                                        "--out", str(tmp_path / "c")], catch_exceptions=False)
     assert events == [("up", "9000"), ("up", "9001"), ("down", "9001"), ("down", "9000")]
-    r = CliRunner().invoke(cli.bench, [str(pkg), "--baseline", str(base), "--vllm-args", "--port 9005"])
-    assert r.exit_code == 2 and "must not set --port" in r.output and len(r.output.strip().splitlines()) == 1
+    for args in ("--port 9005", "--port=9005"):
+        r = CliRunner().invoke(cli.bench, [str(pkg), "--baseline", str(base), "--vllm-args", args])
+        assert r.exit_code == 2 and "must not set --port" in r.output and len(r.output.strip().splitlines()) == 1
 
 
 def test_bench_takes_a_model_directory_another_tool_wrote(tmp_path, tiny_dirs):
