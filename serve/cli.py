@@ -127,11 +127,8 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     else:
         dense_cmd = launch.package_command(base_dir, base_manifest, host, port, extra, served_name="dense")
     pruned_cmd = launch.package_command(package, manifest, host, port, extra)  # built once: it may print a note
-    # each server's command at a given port (the package's is the next one when both run at once), its served name
-    servers = {
-        "dense": (lambda p: _with_port(dense_cmd, p), "dense"),
-        "pruned": (lambda p: _with_port(pruned_cmd, p), name),
-    }
+    # each server's command (at --port; with --interleave the package's moves to the next one) and its served name
+    servers = {"dense": (dense_cmd, "dense"), "pruned": (pruned_cmd, name)}
     env = launch.server_env(manifest)
     measure = _measure_interleaved if interleave else _measure_alternating
     runs, warmup = measure(servers, env, host, port, out_dir, levels, rounds, repeat,
@@ -168,7 +165,7 @@ def _measure_alternating(servers, env, host, port, out_dir, levels, rounds, repe
         for label in order:
             cmd, served = servers[label]
             click.echo(f"round {r + 1}/{rounds}: starting {label} server", err=True)
-            with launch.running(cmd(port), env, base_url, out_dir / f"server-{label}-{r + 1}.log"):
+            with launch.running(cmd, env, base_url, out_dir / f"server-{label}-{r + 1}.log"):
                 warmup[label].append(_warm_up(base_url, served, label, levels, r, load))
                 for c in levels:
                     for k in range(repeat):  # a new seed each time: no prefix-cache hit on an earlier prompt
@@ -192,7 +189,7 @@ def _measure_interleaved(servers, env, host, port, out_dir, levels, rounds, repe
             for label in starts:
                 cmd, _ = servers[label]
                 click.echo(f"round {r + 1}/{rounds}: starting {label} server at port {ports[label]}", err=True)
-                stack.enter_context(launch.running(cmd(ports[label]), env, urls[label],
+                stack.enter_context(launch.running(_with_port(cmd, ports[label]), env, urls[label],
                                                    out_dir / f"server-{label}-{r + 1}.log"))
             for label in starts:
                 warmup[label].append(_warm_up(urls[label], servers[label][1], label, levels, r, load))

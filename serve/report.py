@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -150,9 +151,7 @@ def _paired(runs: list[dict], base_runs: list[dict]) -> dict | None:
                                for a, b in zip(runs, base_runs)) if p is not None)
     if not pairs:
         return None
-    n = len(pairs)
-    median = pairs[n // 2] if n % 2 else (pairs[n // 2 - 1] + pairs[n // 2]) / 2
-    return {"median": median, "min": pairs[0], "max": pairs[-1], "n": n}
+    return {"median": statistics.median(pairs), "min": pairs[0], "max": pairs[-1], "n": len(pairs)}
 
 
 def summarize(results: dict) -> dict:
