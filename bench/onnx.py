@@ -52,7 +52,9 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (pipeline) and onnxruntime threads (server)")
     ap.add_argument("--quant", default="none", choices=["none", "int8"],
-                    help="the pruned packages' precision (int8: onnxruntime's dynamic INT8); the dense baseline stays fp32")
+                    help="the pruned packages' precision (int8: onnxruntime's INT8, --onnx-int8); the dense baseline stays fp32")
+    ap.add_argument("--onnx-int8", default="dynamic", choices=["dynamic", "qdq"],
+                    help="with --quant int8: activations quantized at run time, or static scales in QDQ form")
     ap.add_argument("--port", type=int, default=8131)
     ap.add_argument("--skip-serve", action="store_true", help="packages, export and validation times only")
     ap.add_argument("--reuse", action="store_true",
@@ -69,7 +71,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     results = {"protocol": {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "target": args.target,
                             "method": "activation (one-shot structured, uniform)",
-                            "format": "onnx fp32" if args.quant == "none" else "onnx int8 (pruned), fp32 (dense)",
+                            "format": "onnx fp32" if args.quant == "none" else
+                            f"onnx int8, {'QDQ static' if args.onnx_int8 == 'qdq' else 'dynamic'} (pruned), fp32 (dense)",
                             "calib": str(calib), "seq_len": args.seq_len, "calib_windows": args.calib_windows,
                             "threads": args.threads, "rounds": args.rounds, "concurrency": args.concurrency,
                             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
@@ -78,7 +81,8 @@ def main() -> None:
     # All packages first (the dense one too), then all serving runs back to back.
     for retain in [1.0] + args.retain:
         quant = args.quant if retain < 1 else "none"
-        pkg = packages / f"{_name(args)}-r{retain:.2f}" if quant == "none" else packages / f"{_name(args)}-r{retain:.2f}-{quant}"
+        suffix = "" if quant == "none" else f"-{quant}" + ("-qdq" if args.onnx_int8 == "qdq" else "")
+        pkg = packages / f"{_name(args)}-r{retain:.2f}{suffix}"
         t0 = time.time()
         if args.reuse and (pkg / "manifest.json").is_file():
             m = json.loads((pkg / "manifest.json").read_text())
@@ -86,11 +90,13 @@ def main() -> None:
             shutil.rmtree(pkg, ignore_errors=True)
             m = optimize(OptimizeConfig(model=args.model, target=args.target, method="activation", retain=retain,
                                         out=str(pkg), format="onnx", threads=args.threads, quant=quant,
+                                        onnx_int8=args.onnx_int8 if quant == "int8" else "dynamic",
                                         data=DataConfig(calib=str(calib), calib_windows=args.calib_windows,
                                                         eval_windows=args.eval_windows, seq_len=args.seq_len),
                                         heal=HealSettings(tokens=0), refit=None))["manifest"]  # speed: heal and refit keep the shapes
         c = m["checks"]["onnx"]
-        entry = {"retain": retain, "package": str(pkg), "quant": quant,
+        entry = {"retain": retain, "package": str(pkg),
+                 "quant": quant if quant == "none" else f"{quant} {m['onnx'].get('int8_activations', 'dynamic')}",
                  "perplexity": (m["quality"].get("perplexity") or {}).get("pruned"),
                  "optimize_wall_s": m.get("wall_s") if args.reuse else round(time.time() - t0, 1),
                  "retain_achieved": m["method"]["retain_achieved"], "shape": m["method"]["shape"],

@@ -29,6 +29,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from exporters import genai
@@ -106,34 +107,81 @@ def export_decoder(model, path: Path, dtype: str = "float32", external_data: boo
             "export_s": round(time.time() - t0, 2)}
 
 
-def quantize_graph(src: Path, dst: Path, external_data: bool, roles: tuple[str, ...], weight_max: int = 127) -> dict:
-    """onnxruntime's own dynamic INT8 quantization of the blocks' projections named in `roles`
-    (the decoder's MatMul nodes `/layers.{i}/{role}/MatMul`; not attention's activation products,
-    not the LM head): int8 weights symmetric per output channel on [-weight_max, weight_max] (127, or
-    64: onnxruntime's reduce_range, optimizer/quantize.ort_weight_max), activations DynamicQuantizeLinear'd
-    (uint8, per tensor) at run time, MatMulInteger. Returns the graph entries that change."""
+def quantize_graph(src: Path, dst: Path, external_data: bool, roles: tuple[str, ...], weight_max: int = 127,
+                   activation_scales: dict | None = None) -> dict:
+    """onnxruntime's own INT8 quantization of the blocks' projections named in `roles` (the decoder's
+    MatMul nodes `/layers.{i}/{role}/MatMul`; not attention's activation products, not the LM head):
+    int8 weights symmetric per output channel on [-weight_max, weight_max] (127, or 64: onnxruntime's
+    reduce_range, optimizer/quantize.ort_weight_max), and the activations either
+      - dynamic (activation_scales None): DynamicQuantizeLinear'd (uint8, per tensor) at run time,
+        MatMulInteger (quantize_dynamic); or
+      - static, QDQ (activation_scales {(i, role): scale}): QuantizeLinear / DequantizeLinear with
+        those scales and zero point 0 in front of each MatMul, its weight an int8 initializer behind
+        a DequantizeLinear (quantize_static, QDQ form; the scales given as its tensor overrides, so
+        the graph holds exactly the twin's, and as its calibration cache, so nothing is re-measured).
+    Returns the graph entries that change."""
     import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
     proto = onnx.load(str(src), load_external_data=False)
     weights = {i.name for i in proto.graph.initializer if len(i.dims) == 2}
     wanted = {f"/{role}/MatMul" for role in roles}
-    nodes = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights
-             and n.name.startswith("/layers.") and n.name[n.name.index("/", 1):] in wanted]
+    matmuls = [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights
+               and n.name.startswith("/layers.") and n.name[n.name.index("/", 1):] in wanted]
+    nodes = [n.name for n in matmuls]
+    overrides = _activation_overrides(matmuls, activation_scales) if activation_scales is not None else None
     del proto
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # its advice to run onnxruntime's pre-processing: validation is the check here
     try:
-        quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], nodes_to_quantize=nodes,
-                         per_channel=True, weight_type=QuantType.QInt8, use_external_data_format=external_data,
-                         reduce_range=weight_max == 64)
+        if overrides is None:
+            quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], nodes_to_quantize=nodes,
+                             per_channel=True, weight_type=QuantType.QInt8, use_external_data_format=external_data,
+                             reduce_range=weight_max == 64)
+        else:
+            with tempfile.TemporaryDirectory(dir=dst.parent, prefix=".calibration-") as scratch:
+                cache = Path(scratch) / "ranges.json"
+                _write_calibration_cache(cache, overrides)
+                quantize_static(str(src), str(dst), calibration_data_reader=None, quant_format=QuantFormat.QDQ,
+                                op_types_to_quantize=["MatMul"], nodes_to_quantize=nodes, per_channel=True,
+                                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                                reduce_range=weight_max == 64, use_external_data_format=external_data,
+                                calibration_cache_path=cache,
+                                # the MatMul's output stays float: only its inputs are quantized
+                                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+                                               "OpTypesToExcludeOutputQuantization": ["MatMul"],
+                                               "TensorQuantOverrides": {
+                                                   t: [{"scale": np.array(sc, np.float32), "zero_point": np.array(0, np.int8)}]
+                                                   for t, sc in overrides.items()}})
     finally:
         root.setLevel(level)
     # the graph and, past 2 GiB, the external data file onnxruntime names after it
     files = [dst.name] + sorted(f.name for f in dst.parent.iterdir() if f.name.startswith(dst.name + "."))
     onnx.checker.check_model(str(dst))
     return {"files": files, "bytes": sum((dst.parent / f).stat().st_size for f in files),
-            "int8_matmuls": len(nodes), "int8_weight_max": weight_max}
+            "int8_matmuls": len(nodes), "int8_weight_max": weight_max,
+            "int8_activations": "dynamic" if overrides is None else "qdq"}
+
+
+def _activation_overrides(matmuls, scales: dict) -> dict[str, float]:
+    """The static scale of each quantized MatMul's input tensor, by tensor name. q, k and v read one
+    tensor (as gate and up do), so they share one QuantizeLinear: their scales must agree."""
+    by_tensor: dict[str, float] = {}
+    for n in matmuls:
+        layer, role = n.name.split("/")[1:3]
+        scale = scales[(int(layer.removeprefix("layers.")), role)]
+        if by_tensor.setdefault(n.input[0], scale) != scale:
+            raise ValueError(f"{n.name} reads {n.input[0]} with scale {scale}, another MatMul with "
+                             f"{by_tensor[n.input[0]]}: one tensor gets one QuantizeLinear")
+    return by_tensor
+
+
+def _write_calibration_cache(path: Path, scales: dict[str, float]) -> None:
+    """onnxruntime's calibration cache (its own writer) holding each tensor's symmetric range
+    [-127 scale, 127 scale]: quantize_static reads it instead of running a calibration itself."""
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData, save_tensors_data
+    save_tensors_data(TensorsData(CalibrationMethod.MinMax, {
+        t: TensorData(lowest=np.float32(-127 * sc), highest=np.float32(127 * sc)) for t, sc in scales.items()}), path)
 
 
 def _example_inputs(dec: Decoder) -> tuple:
@@ -168,7 +216,8 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report_md: str,
                   dtype: str = "float32", external_data: bool | None = None, float_activations=None,
-                  int8_roles: tuple[str, ...] = (), int8_weight_max: int = 127) -> Path:
+                  int8_roles: tuple[str, ...] = (), int8_weight_max: int = 127,
+                  int8_activation_scales: dict | None = None) -> Path:
     """Export, validate, write the rest; rename `tmp` to `out`. The caller removes `tmp` if this raises.
 
     float_activations: given for a model quantized for onnxruntime's INT8 (optimizer/quantize.py:
@@ -177,7 +226,8 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
     model without it, quantized by onnxruntime (`quantize_graph`), and the INT8 graph validated
     against the fake-quantized model with the INT8 tolerance; only the INT8 graph is packaged.
     int8_roles: the block projections that are INT8 (decoder names: q, k, v, o, gate, up, down);
-    int8_weight_max: their weights' grid [-m, m] (127, or 64 where the CPU has no VNNI)."""
+    int8_weight_max: their weights' grid [-m, m] (127, or 64 where the CPU has no VNNI);
+    int8_activation_scales: for a QDQ graph, each one's static activation scale by (block, role)."""
     from exporters.onnx_check import ValidationError, validate
     tmp = Path(tmp)
     model = model.float().eval()
@@ -194,9 +244,10 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
                 graph = export_decoder(model, scratch / MODEL_FILE, external_data=external_data)
                 float_checks = validate(model, scratch / MODEL_FILE, tokenizer=tokenizer)
             graph.update(quantize_graph(scratch / MODEL_FILE, tmp / MODEL_FILE, graph["external_data"], int8_roles,
-                                        int8_weight_max))
+                                        int8_weight_max, int8_activation_scales))
             shutil.rmtree(scratch)
-            checks = validate(model, tmp / MODEL_FILE, tokenizer=tokenizer, int8=True)
+            checks = validate(model, tmp / MODEL_FILE, tokenizer=tokenizer, int8=True,
+                              static_activations=int8_activation_scales is not None)
             checks["float_graph"] = float_checks
     except ValidationError as e:
         raise RuntimeError(f"ONNX validation failed, no package written: {e}") from None
@@ -215,7 +266,8 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
         (tmp / genai.FILENAME).write_text(json.dumps(cfg, indent=2) + "\n")
     engine["onnxruntime_genai"] = {"config": genai.FILENAME} if reason is None else {"unsupported": reason}
     manifest["onnx"] = {k: graph[k] for k in ("files", "dtype", "opset", "external_data", "bytes", "weight_bytes",
-                                              "tied_embeddings", "head_dim", "uniform", "int8_matmuls", "int8_weight_max")
+                                              "tied_embeddings", "head_dim", "uniform", "int8_matmuls", "int8_weight_max",
+                                              "int8_activations")
                        if k in graph}
     if not graph["uniform"]:
         manifest["onnx"]["layers"] = graph["layers"]

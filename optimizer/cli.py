@@ -46,6 +46,11 @@ def one_line_errors(fn):
               help="Package for vLLM, or ONNX with KV cache for onnxruntime.")
 @click.option("--onnx-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16"]),
               help="Precision of an ONNX package (float16 is for GPU execution providers).")
+@click.option("--onnx-int8", default="dynamic", show_default=True, type=click.Choice(["dynamic", "qdq"]),
+              help="With --format onnx --quant int8: activations quantized at run time, one scale per tensor "
+                   "(MatMulInteger), or static scales calibrated here in QuantizeLinear/DequantizeLinear pairs "
+                   "(QDQ: the form TensorRT and other ONNX runtimes read; a request's result no longer depends "
+                   "on its batch).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and the predicted speedup, then stop.")
 @click.option("--engine-version", help="vLLM version the package will be served with (default: installed, else 0.32.0).")
 @click.option("--calib-windows", default=16, show_default=True, help="Calibration windows of --seq-len tokens for the one-shot statistics (and --refit); DDP trains on the whole calibration text but its last window, held out.")
@@ -110,7 +115,7 @@ def one_line_errors(fn):
               help="Score this many documents of each zero-shot task (ARC-Easy, PIQA, HellaSwag; seed 1234): "
                    "dense, before and after healing, in the report (minutes for 500).")
 @one_line_errors
-def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, dry_run, engine_version, calib_windows,
+def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, onnx_int8, dry_run, engine_version, calib_windows,
              eval_windows, seq_len, seed, threads, budget, layout, steps, ddp_batch, ddp_seq_len, ddp_lr, ddp_lr_end,
              ddp_beta, resume, si_steps, roi_steps, roi_seq_len, roi_prior, calib_dtype, refit, refit_damp,
              heal_tokens, heal_time, heal_data, heal_lr, heal_memory, heal_chat, heal_batch, heal_device, no_heal, quant,
@@ -130,7 +135,7 @@ def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, on
     data = DataConfig(calib=calib, eval=eval_, seq_len=seq_len, calib_windows=calib_windows,
                       eval_windows=None if eval_windows == "all" else int(eval_windows))
     run(OptimizeConfig(model=model, target=target, method=method, retain=retain, sparsity=sparsity, budget=budget,
-                       layout=layout, format=fmt, onnx_dtype=onnx_dtype, out=out, engine_version=engine_version,
+                       layout=layout, format=fmt, onnx_dtype=onnx_dtype, onnx_int8=onnx_int8, out=out, engine_version=engine_version,
                        data=data, calib_dtype=calib_dtype, seed=seed, threads=threads, resume=resume,
                        refit=RefitSettings(damp=refit_damp, asked=asked) if refit else None,
                        ddp=DDPSettings(steps=steps, batch=ddp_batch, seq_len=ddp_seq_len, lr=ddp_lr, lr_end=ddp_lr_end,

@@ -17,6 +17,7 @@ from optimizer.errors import UserError
 FORMATS = ("vllm", "onnx")
 HEAL_MEMORY = ("fast", "lean")
 QUANT = ("none", "auto", "int8", "fp8", "w4a16")
+ONNX_INT8 = ("dynamic", "qdq")  # how an INT8 ONNX package quantizes its activations (optimizer/quantize.py)
 LAYOUTS = ("uniform", "per-layer")
 BUDGETS = ("params", "latency")
 
@@ -135,6 +136,7 @@ class OptimizeConfig:
     layout: str = "uniform"           # uniform (plain config) | per-layer (DDP: DeciLM or plugin package)
     format: str = "vllm"              # vllm | onnx
     onnx_dtype: str = "float32"       # float32 | float16 (ONNX packages)
+    onnx_int8: str = "dynamic"        # dynamic (MatMulInteger) | qdq (static scales): ONNX packages with --quant int8
     out: str | None = None            # package directory; None: out/MODEL-TARGET-METHOD-LEVEL
     engine_version: str | None = None # vLLM version the package is for; None: installed, else the default
     data: DataConfig = field(default_factory=DataConfig)
@@ -192,6 +194,11 @@ def validate(cfg: OptimizeConfig) -> None:
             raise UserError("--layout applies to structured methods; semi-structured pruning keeps every shape")
     if cfg.quant not in QUANT:
         raise UserError(f"unknown --quant '{cfg.quant}'; choose from: {', '.join(QUANT)}")
+    if cfg.onnx_int8 not in ONNX_INT8:
+        raise UserError(f"unknown --onnx-int8 '{cfg.onnx_int8}'; choose from: {', '.join(ONNX_INT8)}")
+    if cfg.onnx_int8 != "dynamic" and (cfg.format != "onnx" or cfg.quant != "int8"):
+        raise UserError(f"--onnx-int8 {cfg.onnx_int8} applies to ONNX packages quantized to INT8: "
+                        f"add --format onnx --quant int8")
     if cfg.quant not in ("none", "auto"):  # auto falls back to 16-bit for these (plan.choose_quant)
         if cfg.format == "onnx" and cfg.quant != "int8":
             raise UserError(f"ONNX packages are quantized by onnxruntime to INT8 only: use --quant int8 or none, "

@@ -95,15 +95,21 @@ def quantize(job, model):
 GPTQ_PRECISIONS: tuple[str, ...] = ()
 
 
-# --- ONNX packages: onnxruntime's dynamic INT8 ---------------------------------------------------
-# onnxruntime quantizes an ONNX graph itself (onnxruntime.quantization.quantize_dynamic, the
-# exporter's step): MatMulInteger with int8 weights, symmetric per output channel on its restricted
-# grid [-127, 127] (scale = absmax / 127), and activations DynamicQuantizeLinear'd at run time: uint8,
-# asymmetric, one scale per tensor (the whole batch of tokens a MatMul reads). The PyTorch twin the
-# job evaluates and the exporter validates against is that model: the weights put on the same grid
-# here (onnxruntime re-derives exactly these integers from them), the activations fake-quantized by
-# DynamicQuantizeLinear's own formula in a pre-hook of each block Linear.
-ORT_INT8 = "onnxruntime dynamic INT8 (int8 per-channel weights, uint8 per-tensor dynamic activations)"
+# --- ONNX packages: onnxruntime's INT8, dynamic or QDQ -------------------------------------------
+# onnxruntime quantizes an ONNX graph itself (onnxruntime.quantization, the exporter's step), the
+# weights int8, symmetric per output channel on its restricted grid [-127, 127] (scale = absmax / 127),
+# in one of two forms (--onnx-int8):
+#   dynamic  quantize_dynamic: MatMulInteger, activations DynamicQuantizeLinear'd at run time: uint8,
+#            asymmetric, one scale per tensor (the whole batch of tokens a MatMul reads);
+#   qdq      quantize_static in the QDQ form: each MatMul reads DequantizeLinear(QuantizeLinear(x))
+#            and a DequantizeLinear'd int8 weight, the activation scales fixed here (int8, symmetric,
+#            the absmax each input reached on the calibration windows / 127): the form TensorRT and
+#            other ONNX runtimes read, and a token's result no longer depends on its batch.
+# The PyTorch twin the job evaluates and the exporter validates against is that model: the weights
+# put on the same grid here (onnxruntime re-derives exactly these integers from them), the
+# activations fake-quantized by the ONNX operator's own formula in a pre-hook of each block Linear.
+ORT_INT8 = {"dynamic": "onnxruntime dynamic INT8 (int8 per-channel weights, uint8 per-tensor dynamic activations)",
+            "qdq": "onnxruntime static INT8, QDQ (int8 per-channel weights, int8 per-tensor static activations)"}
 
 
 # The projections onnxruntime gets in INT8. Not down_proj: its input (the gated MLP product) holds
@@ -124,15 +130,27 @@ def ort_weight_max() -> int:
 
 class OrtInt8:
     """The activation hooks of a model quantized for onnxruntime; `float_activations()` turns them
-    off (the exporter's fp32 graph is checked against the model without them). `roles`: which
-    projections of every block are INT8 (the exporter quantizes those MatMuls only)."""
+    off (the exporter's fp32 graph is checked against the model without them). `linears`: the INT8
+    Linears by (block index, role) (the exporter quantizes the MatMuls `/layers.{i}/{role}/MatMul`);
+    `scales`: for QDQ, each one's static activation scale by the same key; None: dynamic."""
 
-    def __init__(self, linears, roles=ORT_INT8_ROLES, weight_max=127):
-        self.enabled, self.roles, self.weight_max = True, tuple(roles), weight_max
-        self.handles = [lin.register_forward_pre_hook(self._hook) for lin in linears]
+    def __init__(self, linears: dict, weight_max: int = 127, scales: dict | None = None):
+        self.enabled, self.weight_max, self.scales = True, weight_max, scales
+        self.roles = tuple(dict.fromkeys(role for _, role in linears))
+        self.handles = [lin.register_forward_pre_hook(self._hook(key)) for key, lin in linears.items()]
 
-    def _hook(self, _module, args):
-        return (dynamic_quantize_linear(args[0]),) + tuple(args[1:]) if self.enabled else None
+    @property
+    def form(self) -> str:
+        return "dynamic" if self.scales is None else "qdq"
+
+    def _hook(self, key):
+        def hook(_module, args):
+            if not self.enabled:
+                return None
+            x = args[0]
+            return (dynamic_quantize_linear(x) if self.scales is None else quantize_linear(x, self.scales[key]),) + \
+                tuple(args[1:])
+        return hook
 
     def float_activations(self):
         import contextlib
@@ -160,38 +178,75 @@ def dynamic_quantize_linear(x: torch.Tensor) -> torch.Tensor:
     return ((q - zp) * scale).to(x.dtype)
 
 
+def quantize_linear(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """ONNX QuantizeLinear to int8 with zero point 0, then DequantizeLinear: x / scale rounded half
+    to even, saturated to [-128, 127], times scale (values past the calibrated absmax saturate)."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    return ((xf / scale).round().clamp(-128, 127) * scale).to(x.dtype)
+
+
+@torch.no_grad()
+def activation_scales(model, linears: dict, windows: torch.Tensor) -> dict:
+    """Static int8 scales for the inputs of `linears` ({key: Linear}): the absmax each input reached
+    over `windows`, / 127, as a float32 value (the graph's scale initializers are float32)."""
+    import numpy as np
+    absmax, hooks = {}, []
+
+    def record(key):
+        def hook(_module, args):
+            m = float(args[0].detach().abs().max())
+            absmax[key] = max(absmax.get(key, 0.0), m)
+        return hook
+
+    for key, lin in linears.items():
+        hooks.append(lin.register_forward_pre_hook(record(key)))
+    try:
+        for w in windows:
+            model(w[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return {key: float(np.float32(a / 127)) if a > 0 else 1.0 for key, a in absmax.items()}
+
+
 def quantize_for_onnxruntime(job, model, windows, started):
     """--quant int8 for an ONNX package: smoothing, then the block Linears' weights on onnxruntime's
-    symmetric int8 grid per output channel, and the activation hooks (OrtInt8, kept on the model as
-    `model.ort_int8` for the exporter)."""
+    symmetric int8 grid per output channel, for QDQ the activations' static scales, and the activation
+    hooks (OrtInt8, kept on the model as `model.ort_int8` for the exporter)."""
+    form = job.cfg.onnx_int8
     smooth(model, job.adapter, windows, SMOOTH_ALPHA)
-    linears = []
-    for b in job.adapter.blocks(model):
+    linears = {}
+    for i, b in enumerate(job.adapter.blocks(model)):
         q, k, v, o = job.adapter.attention(b)
         gate, up, down = job.adapter.mlp(b)
         roles = {"q": q, "k": k, "v": v, "o": o, "gate": gate, "up": up, "down": down}
-        linears += [roles[r] for r in ORT_INT8_ROLES]
+        linears.update({(i, r): roles[r] for r in ORT_INT8_ROLES})
     m = ort_weight_max()
     with torch.no_grad():
-        for lin in linears:
+        for lin in linears.values():
             scale = (lin.weight.float().abs().amax(dim=1, keepdim=True) / m).clamp(min=1e-12)
             lin.weight.copy_(((lin.weight.float() / scale).round().clamp(-m, m) * scale).to(lin.weight.dtype))
-    model.ort_int8 = OrtInt8(linears, weight_max=m)
-    quantized = sum(lin.weight.numel() for lin in linears)
+    scales = activation_scales(model, linears, windows) if form == "qdq" else None
+    model.ort_int8 = OrtInt8(linears, weight_max=m, scales=scales)
+    quantized = sum(lin.weight.numel() for lin in linears.values())
     params = sum(p.numel() for p in model.parameters())
-    channels = sum(lin.out_features for lin in linears)
-    job.quant_detail = {"precision": "int8", "scheme": ORT_INT8, "format": "onnx (onnxruntime.quantization)",
+    channels = sum(lin.out_features for lin in linears.values())
+    activations = "dynamic per tensor (uint8, asymmetric)" if form == "dynamic" else \
+        f"static per tensor (int8, symmetric: absmax over {windows.numel():,} calibration tokens / 127)"
+    job.quant_detail = {"precision": "int8", "scheme": ORT_INT8[form],
+                        "format": "onnx " + ("(onnxruntime.quantization.quantize_dynamic)" if form == "dynamic"
+                                             else "QDQ (onnxruntime.quantization.quantize_static)"),
                         "weights": f"symmetric absmax per output channel on [-{m}, {m}], round to nearest"
                                    + ("" if m == 127 else " (onnxruntime's reduce_range: this CPU has no VNNI)"),
                         "group_size": None, "gptq": None,
                         "smoothing": {"alpha": SMOOTH_ALPHA, "tokens": windows.numel(),
                                       "points": "q/k/v, o, gate/up and down inputs"},
-                        "activations": "dynamic per tensor (uint8, asymmetric)", "linears": len(linears),
+                        "activations": activations, "linears": len(linears),
                         "ignore": [*IGNORE, "down_proj"], "cpu_kernel_shape_misses": [], "reason": job.plan.quant_reason,
                         # the package is an fp32 graph but for the int8 weights (and their fp32 scales)
                         "quantized_params": quantized, "weight_bytes": quantized + 4 * (channels + params - quantized),
                         "bytes_per_value": 4, "wall_s": round(time.time() - started, 1)}
-    job.log(f"quantized: {len(linears)} Linear layers for onnxruntime's dynamic INT8 (smoothed, round to nearest; "
+    job.log(f"quantized: {len(linears)} Linear layers for onnxruntime's {form} INT8 (smoothed, round to nearest; "
             f"{quantized:,} int8 weights" + ("" if m == 127 else "; 7-bit grid [-64, 64]: this CPU has no VNNI") + ")")
     return model
 

@@ -126,7 +126,7 @@ class Structured:
         int8 = getattr(pruned, "ort_int8", None)  # quantize_for_onnxruntime's activation hooks
         return {"dtype": job.cfg.onnx_dtype,
                 **({"float_activations": int8.float_activations, "int8_roles": int8.roles,
-                    "int8_weight_max": int8.weight_max} if int8 else {})}
+                    "int8_weight_max": int8.weight_max, "int8_activation_scales": int8.scales} if int8 else {})}
 
 
 QUANT_PARAMS = ("_scale", "_zero_point")  # what --quant attaches to a Linear: not the model's parameters

@@ -622,6 +622,61 @@ def test_optimize_onnx_int8_through_the_cli(tiny_dirs, text_file, tmp_path):
         m["onnx"]["int8_weight_max"]
 
 
+def test_optimize_onnx_int8_qdq_through_the_cli(tiny_dirs, text_file, tmp_path):
+    """--onnx-int8 qdq: a QuantizeLinear / DequantizeLinear pair with the twin's own static scale in
+    front of every INT8 MatMul (one per tensor: q, k, v share theirs), int8 weights behind a
+    DequantizeLinear, no dynamic quantization left; validated against the twin with the padded row
+    kept, and a row's logits independent of its batch."""
+    import onnx
+    from onnx import numpy_helper
+    from optimizer.quantize import quantize_linear
+    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "qdq", 0.6, "--quant", "int8", "--onnx-int8", "qdq")
+    assert r.exit_code == 0, r.output
+    pkg = tmp_path / "qdq"
+    m = json.loads((pkg / "manifest.json").read_text())
+    c = m["checks"]["onnx"]
+    assert m["quantization"]["scheme"].startswith("onnxruntime static INT8, QDQ")
+    assert m["onnx"]["int8_activations"] == "qdq" and m["onnx"]["int8_matmuls"] == 2 * 6
+    assert c["positions"] == 2 * 12 - 4 + 2  # the left-padded row is checked (its 4 pads are not compared)
+    assert c["greedy"]["tokens"] == 32 and c["float_graph"]["tolerance_of_scale"] == 1e-3
+    graph = onnx.load(str(pkg / "model.onnx")).graph
+    ops = [n.op_type for n in graph.node]
+    assert "MatMulInteger" not in ops and "DynamicQuantizeLinear" not in ops
+    producer = {o: n for n in graph.node for o in n.output}
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    scales = {}
+    for n in graph.node:
+        if n.op_type != "MatMul" or not n.name.startswith("/layers."):
+            continue
+        a, w = producer.get(n.input[0]), producer.get(n.input[1])
+        if a is None or a.op_type != "DequantizeLinear":
+            continue  # an fp32 MatMul: down_proj, attention's products
+        q = producer[a.input[0]]
+        assert q.op_type == "QuantizeLinear" and w.op_type == "DequantizeLinear"
+        assert inits[w.input[0]].dtype == np.int8 and inits[w.input[1]].ndim == 1  # int8, one scale per channel
+        assert inits[q.input[2]].dtype == np.int8 and int(inits[q.input[2]]) == 0  # symmetric
+        scales[n.name] = float(inits[q.input[1]])
+    assert len(scales) == 2 * 6 and len({scales[f"/layers.0/{r}/MatMul"] for r in "qkv"}) == 1
+    # the twin's activation rounding is QuantizeLinear's: half to even, saturated at -128 / 127
+    x = torch.tensor([0.5, 1.5, -2.5, 300.0, -300.0, 0.2])
+    torch.testing.assert_close(quantize_linear(x, 1.0), torch.tensor([0.0, 2.0, -2.0, 127.0, -128.0, 0.0]))
+    # static scales: a row's logits do not depend on what else is in its batch
+    dec = OrtDecoder(pkg / "model.onnx", threads=1)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, dec.vocab_size, (2, 8))
+    ones = np.ones((2, 8), dtype=np.int64)
+    pos = np.tile(np.arange(8), (2, 1))
+    both, _ = dec.run(ids, ones, pos, dec.empty_past(2))
+    alone, _ = dec.run(ids[:1], ones[:1], pos[:1], dec.empty_past(1))
+    np.testing.assert_allclose(both[0], alone[0], rtol=0, atol=1e-4)
+
+
+def test_onnx_int8_form_needs_an_int8_onnx_package(tiny_dirs, text_file, tmp_path):
+    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "x", 0.6, "--onnx-int8", "qdq", "--quant", "none")
+    assert r.exit_code != 0 and "--onnx-int8 qdq applies to ONNX packages quantized to INT8" in r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
 def test_ort_weight_grid_follows_the_cpu(monkeypatch):
     """onnxruntime's u8s8 kernel saturates on x86 without VNNI: the weights take its reduced range there."""
     import optimizer.quantize as quantize
