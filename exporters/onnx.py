@@ -158,6 +158,8 @@ def quantize_graph(src: Path, dst: Path, external_data: bool, roles: tuple[str, 
     # the graph and, past 2 GiB, the external data file onnxruntime names after it
     files = [dst.name] + sorted(f.name for f in dst.parent.iterdir() if f.name.startswith(dst.name + "."))
     onnx.checker.check_model(str(dst))
+    if activation_scales is not None:
+        _check_qdq_scales(dst, nodes, activation_scales)
     return {"files": files, "bytes": sum((dst.parent / f).stat().st_size for f in files),
             "int8_matmuls": len(nodes), "int8_weight_max": weight_max,
             "int8_activations": "dynamic" if overrides is None else "qdq"}
@@ -174,6 +176,29 @@ def _activation_overrides(matmuls, scales: dict) -> dict[str, float]:
             raise ValueError(f"{n.name} reads {n.input[0]} with scale {scale}, another MatMul with "
                              f"{by_tensor[n.input[0]]}: one tensor gets one QuantizeLinear")
     return by_tensor
+
+
+def _check_qdq_scales(path: Path, nodes: list[str], scales: dict) -> None:
+    """Each INT8 MatMul of the written graph reads QuantizeLinear -> DequantizeLinear with the twin's
+    scale, bit for bit, and zero point 0: the rounding the end-to-end check can only bound, checked exactly."""
+    import onnx
+    from onnx import numpy_helper
+    from exporters.onnx_check import ValidationError
+    graph = onnx.load(str(path), load_external_data=False).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    consts = {i.name: numpy_helper.to_array(i) for i in graph.initializer if not i.external_data}
+    by_name = {n.name: n for n in graph.node}
+    for name in nodes:
+        dq = producer.get(by_name[name].input[0]) if name in by_name else None
+        q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+        layer, role = name.split("/")[1:3]
+        want = np.float32(scales[(int(layer.removeprefix("layers.")), role)])
+        if q is None or q.op_type != "QuantizeLinear":
+            raise ValidationError(f"{name} does not read a QuantizeLinear / DequantizeLinear pair")
+        got, zp = consts.get(q.input[1]), consts.get(q.input[2])
+        if got is None or zp is None or got.tobytes() != want.tobytes() or int(zp) != 0:
+            raise ValidationError(f"{name}: activation scale {got} (zero point {zp}) in the graph, "
+                                  f"{want} (zero point 0) in the PyTorch twin")
 
 
 def _write_calibration_cache(path: Path, scales: dict[str, float]) -> None:

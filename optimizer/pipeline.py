@@ -85,8 +85,10 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     if plan.quant == "w4a16" and target.kind != "cpu":  # the cpu target refuses shapes its kernel cannot take
         plan.quant_reason += _marlin_note(hf_config.hidden_size)
     if cfg.format == "onnx" and plan.quant == "int8":  # not vLLM's kernel table: onnxruntime's own INT8
-        plan.quant_reason = ("--quant int8 requested: onnxruntime's dynamic INT8 (MatMulInteger, run by "
-                             "onnxruntime on the CPU), whatever kernels the target's GPU has")
+        form = ("dynamic INT8 (MatMulInteger" if cfg.onnx_int8 == "dynamic" else
+                "static INT8 in QDQ form (QuantizeLinear / DequantizeLinear pairs")
+        plan.quant_reason = (f"--quant int8 requested: onnxruntime's {form}, run by onnxruntime on the CPU), "
+                             f"whatever kernels the target's GPU has")
     if cfg.format == "onnx" and not adapter.onnx_export:
         raise UserError(f"{adapter.family}: ONNX export covers the LLaMA-shaped families "
                         f"({', '.join(onnx_families())}); use --format vllm")
@@ -179,7 +181,7 @@ def _not_quantized(cfg: OptimizeConfig, plan, moe: bool = False) -> str | None:
     if moe:
         return "MoE packages are not quantized yet"
     if cfg.format != "vllm":
-        return "ONNX packages keep fp32 weights unless asked (--quant int8: onnxruntime's dynamic INT8)"
+        return "ONNX packages keep fp32 weights unless asked (--quant int8: onnxruntime's INT8, --onnx-int8)"
     if plan.sparsity:
         return "2:4 packages keep 16-bit weights (vLLM's 2:4 kernels are unquantized)"
     return None

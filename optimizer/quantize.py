@@ -136,6 +136,7 @@ class OrtInt8:
 
     def __init__(self, linears: dict, weight_max: int = 127, scales: dict | None = None):
         self.enabled, self.weight_max, self.scales = True, weight_max, scales
+        self.jitter = None  # (relative amplitude, generator) while `jittered` runs
         self.roles = tuple(dict.fromkeys(role for _, role in linears))
         self.handles = [lin.register_forward_pre_hook(self._hook(key)) for key, lin in linears.items()]
 
@@ -148,21 +149,34 @@ class OrtInt8:
             if not self.enabled:
                 return None
             x = args[0]
+            if self.jitter is not None:
+                amplitude, generator = self.jitter
+                x = x * (1 + amplitude * (2 * torch.rand(x.shape, generator=generator, dtype=x.dtype) - 1))
             return (dynamic_quantize_linear(x) if self.scales is None else quantize_linear(x, self.scales[key]),) + \
                 tuple(args[1:])
         return hook
 
     def float_activations(self):
+        return self._setting("enabled", False)
+
+    def jittered(self, amplitude: float, generator: torch.Generator):
+        """Every quantizer input moved by a relative amount uniform in +-amplitude before it is rounded:
+        the exporter's INT8 check measures how far float rounding alone moves the twin
+        (exporters/onnx_check.JITTER)."""
+        return self._setting("jitter", (amplitude, generator))
+
+    def _setting(self, name, value):
         import contextlib
 
         @contextlib.contextmanager
-        def off():
-            self.enabled = False
+        def scope():
+            before = getattr(self, name)
+            setattr(self, name, value)
             try:
                 yield
             finally:
-                self.enabled = True
-        return off()
+                setattr(self, name, before)
+        return scope()
 
 
 def dynamic_quantize_linear(x: torch.Tensor) -> torch.Tensor:
