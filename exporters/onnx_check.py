@@ -87,7 +87,10 @@ def validate(model, onnx_path: Path, dtype: str = "float32", tokenizer=None, see
     distance is taken per position (`_Noise`): such a position gets its own limit without
     loosening the others'. A wrong graph (a padded row, a wrong axis) is off by ten times that.
     static_activations: an INT8 graph whose activation scales are fixed (QDQ): a row no longer
-    depends on the others, so the prefill check keeps its left-padded row.
+    depends on the others, so the prefill check keeps its left-padded row; and the check above is
+    followed by an exact one (`_matched_rounding`): onnxruntime's int8 activations are read out of
+    the graph, the twin takes them where the two round a value differently, which must be a near-tie
+    (optimizer/quantize.NEAR_TIE), and the logits and caches must then agree as an fp32 graph's do.
     """
     t0 = time.time()
     threads = threads or torch.get_num_threads()
@@ -147,10 +150,61 @@ def validate(model, onnx_path: Path, dtype: str = "float32", tokenizer=None, see
     figures["decode"] = _compare("decode", logits2, r_logits2.numpy(), pres2, r_pres2, mask2.bool().numpy(), tol,
                                  noise2 and noise2.logits, noise2 and noise2.presents)
 
+    if int8 and static_activations:
+        figures["matched_rounding"] = _matched_rounding(onnx_path, model, threads, (ids, mask, pos), (nxt, mask2, pos2),
+                                                        shapes, d)
+
     # along the greedy path the INT8 limit is set per step by the perturbed twins run beside it, as above
     figures["greedy"] = _greedy(ort_dec, ref, _prompt(tokenizer, vocab, rng), tol,
                                 twins, noise.typical if int8 else 0.0)
     figures["validate_s"] = round(time.time() - t0, 2)
+    return figures
+
+
+def _matched_rounding(onnx_path: Path, model, threads: int, prefill: tuple, decode: tuple, shapes, d) -> dict:
+    """The QDQ graph's exact check: prefill and decode with onnxruntime's own int8 activations
+    (every QuantizeLinear output added to a copy of the graph's outputs), the twin rounding as it
+    did (optimizer/quantize.OrtInt8.rounding_from); a difference away from a near-tie fails, and
+    the logits and caches are held to the fp32 tolerance."""
+    import onnx
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    readers: dict[str, list] = {}
+    for n in proto.graph.node:
+        for t in n.input:
+            readers.setdefault(t, []).append(n)
+    tensor_of = {}  # (block, role) -> the QuantizeLinear output its MatMul reads through a DequantizeLinear
+    for q in (n for n in proto.graph.node if n.op_type == "QuantizeLinear"):
+        for mm in (m for dq in readers.get(q.output[0], []) for m in readers.get(dq.output[0], [])):
+            if mm.op_type == "MatMul" and mm.name.startswith("/layers."):
+                layer, role = mm.name.split("/")[1:3]
+                tensor_of[(int(layer.removeprefix("layers.")), role)] = q.output[0]
+    names = sorted(set(tensor_of.values()))
+    for t in names:
+        proto.graph.output.append(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.INT8, None))
+    copy = onnx_path.parent / f".rounding-{onnx_path.name}"
+    onnx.save(proto, str(copy))  # its weights stay in the graph's own external data file, if any, by name
+    try:
+        dec = OrtDecoder(copy, threads=threads)
+    except Exception as e:
+        raise ValidationError(f"onnxruntime cannot load the graph with its int8 activations as outputs: {_line(e)}") \
+            from None
+    finally:
+        copy.unlink()
+    ref, tol, n_pres = _Reference(model), TOLERANCE["float32"], 2 * len(shapes)
+    counts, figures, state, pres = {}, {"tolerance_of_scale": tol}, None, dec.empty_past(prefill[0].shape[0])
+    for step, (ids, mask, pos) in (("prefill", prefill), ("decode", decode)):
+        out = _run(dec, ids, mask, pos, pres)
+        logits, pres, ints = out[0], out[1][:n_pres], dict(zip(names, out[1][n_pres:]))
+        valid = mask[:, -ids.shape[1]:].bool()
+        with model.ort_int8.rounding_from({k: torch.from_numpy(ints[t]) for k, t in tensor_of.items()}, valid, counts):
+            r_logits, state, r_pres = ref(ids, mask, pos, state)
+        if counts.get("mismatched"):
+            raise ValidationError(f"{step}: onnxruntime rounded {counts['mismatched']} of {counts['values']:,} int8 "
+                                  f"activations differently from the PyTorch twin, away from any near-tie")
+        keep = valid.numpy()
+        figures[step] = _compare(f"{step} (matched rounding)", logits[keep], r_logits.numpy()[keep], pres, r_pres,
+                                 mask.bool().numpy(), tol)
+    figures.update(activations=counts["values"], near_ties=counts["near_ties"])
     return figures
 
 

@@ -137,6 +137,7 @@ class OrtInt8:
     def __init__(self, linears: dict, weight_max: int = 127, scales: dict | None = None):
         self.enabled, self.weight_max, self.scales = True, weight_max, scales
         self.jitter = None  # (relative amplitude, generator) while `jittered` runs
+        self.rounding = None  # (onnxruntime's int8 values by key, valid positions, counts) while `rounding_from` runs
         self.roles = tuple(dict.fromkeys(role for _, role in linears))
         self.handles = [lin.register_forward_pre_hook(self._hook(key)) for key, lin in linears.items()]
 
@@ -152,6 +153,9 @@ class OrtInt8:
             if self.jitter is not None:
                 amplitude, generator = self.jitter
                 x = x * (1 + amplitude * (2 * torch.rand(x.shape, generator=generator, dtype=x.dtype) - 1))
+            if self.rounding is not None:
+                theirs, valid, counts = self.rounding
+                return (quantize_linear_as(x, self.scales[key], theirs[key], valid, counts),) + tuple(args[1:])
             return (dynamic_quantize_linear(x) if self.scales is None else quantize_linear(x, self.scales[key]),) + \
                 tuple(args[1:])
         return hook
@@ -164,6 +168,12 @@ class OrtInt8:
         the exporter's INT8 check measures how far float rounding alone moves the twin
         (exporters/onnx_check.JITTER)."""
         return self._setting("jitter", (amplitude, generator))
+
+    def rounding_from(self, theirs: dict, valid: torch.Tensor, counts: dict):
+        """QDQ: round as onnxruntime did (`theirs`: its int8 activations by key) where the two differ
+        at a near-tie, counting those and any other difference at `valid` (batch, seq) positions in
+        `counts` (exporters/onnx_check: the exporter's exact check)."""
+        return self._setting("rounding", (theirs, valid, counts))
 
     def _setting(self, name, value):
         import contextlib
@@ -197,6 +207,29 @@ def quantize_linear(x: torch.Tensor, scale: float) -> torch.Tensor:
     to even, saturated to [-128, 127], times scale (values past the calibrated absmax saturate)."""
     xf = x if x.dtype == torch.float64 else x.float()
     return ((xf / scale).round().clamp(-128, 127) * scale).to(x.dtype)
+
+
+# How close to a half step (in steps) a value must be for onnxruntime to round it the other way: their
+# float32 activations differ from PyTorch's by up to about 2e-6 on values of 1 to 3 (SmolLM2 at 0.7),
+# 1e-4 of a step at its scales of about 0.02; a wrong scale or rounding moves values by whole fractions.
+NEAR_TIE = 1e-3
+
+
+def quantize_linear_as(x: torch.Tensor, scale: float, theirs: torch.Tensor, valid: torch.Tensor,
+                       counts: dict) -> torch.Tensor:
+    """quantize_linear, but taking onnxruntime's int8 values `theirs` where they differ; counts at the
+    `valid` positions the values (`values`), the differences at a near-tie (`near_ties`: float
+    rounding) and the others (`mismatched`: a graph that does not compute what the twin does)."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    r = xf / scale
+    q = r.round().clamp(-128, 127)
+    t = theirs.to(q.dtype).reshape(q.shape)
+    differ = (q != t) & valid.reshape(*valid.shape, *[1] * (q.dim() - valid.dim()))
+    tie = (r - r.floor() - 0.5).abs() < NEAR_TIE
+    counts["values"] = counts.get("values", 0) + int(valid.sum()) * q.shape[-1]
+    counts["near_ties"] = counts.get("near_ties", 0) + int((differ & tie).sum())
+    counts["mismatched"] = counts.get("mismatched", 0) + int((differ & ~tie).sum())
+    return (t * scale).to(x.dtype)
 
 
 @torch.no_grad()
