@@ -43,8 +43,11 @@ _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 class OrtDecoder:
     """An exported decoder (our names: input_ids, attention_mask, position_ids, past/present) in a session."""
 
-    def __init__(self, path: str | Path, threads: int | None = None, providers: list[str] | None = None):
+    def __init__(self, path: str | Path, threads: int | None = None, providers: list[str] | None = None,
+                 optimized: bool = True):
         opts = ort.SessionOptions()
+        if not optimized:  # the graph's operators as written, none fused (the exporter's exact INT8 check)
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if threads:
             opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
