@@ -664,6 +664,14 @@ def test_optimize_onnx_int8_qdq_through_the_cli(tiny_dirs, text_file, tmp_path):
         assert inits[q.input[2]].dtype == np.int8 and int(inits[q.input[2]]) == 0  # symmetric
         scales[n.name] = float(inits[q.input[1]])
     assert len(scales) == 2 * 6 and len({scales[f"/layers.0/{r}/MatMul"] for r in "qkv"}) == 1
+    # onnxruntime runs every INT8 MatMul in its integer kernel (pairs with shared constants would be
+    # merged and left as DequantizeLinear + float MatMul)
+    import onnxruntime as ort
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(pkg / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+    fused = [n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node]
+    assert fused.count("MatMulIntegerToFloat") == 2 * 6
     # the twin's activation rounding is QuantizeLinear's: half to even, saturated at -128 / 127
     x = torch.tensor([0.5, 1.5, -2.5, 300.0, -300.0, 0.2])
     torch.testing.assert_close(quantize_linear(x, 1.0), torch.tensor([0.0, 2.0, -2.0, 127.0, -128.0, 0.0]))
