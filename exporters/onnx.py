@@ -188,7 +188,7 @@ def _unshare_pair_constants(path: Path) -> None:
     The dedicated pairs of q, k and v (gate and up) read the same two: onnxruntime's common
     subexpression elimination then merges the pairs back into one, read by three MatMuls, which its
     QDQ fusion leaves as DequantizeLinear + float MatMul; with their own constants every INT8 MatMul
-    becomes MatMulIntegerToFloat (SmolLM2: 180 of 180 instead of the 30 o_proj)."""
+    becomes MatMulIntegerToFloat (tests/test_onnx.py checks it)."""
     import copy
     import onnx
     proto = onnx.load(str(path), load_external_data=False)  # large weights keep their external references

@@ -40,8 +40,8 @@ TOLERANCE = {"float32": 1e-3, "float16": 2e-2,
              "int8": 5e-2}
 GREEDY_TOKENS = 32
 # The perturbation of the INT8 twin's quantizer inputs, relative (2^-20: eight float32 ulps), and
-# its seeds: onnxruntime's float32 activations differ from PyTorch's by about that much (SmolLM2 at
-# 0.7: up to 2e-6 on values of 1 to 3 before any flip), from the order it sums in.
+# its seeds: onnxruntime's float32 activations differ from PyTorch's by a few ulps, from the order it
+# sums in.
 JITTER, JITTER_SEEDS = 2.0 ** -20, (1, 2)
 
 
@@ -80,8 +80,8 @@ def validate(model, onnx_path: Path, dtype: str = "float32", tokenizer=None, see
     per tensor, `model.ort_int8`). Its tolerance is TOLERANCE["int8"] of the logits' scale, or twice
     what the twin itself moves when perturbed at the level of float rounding, whichever is larger:
     an activation a rounding error away from a half step lands on the other int8 value, and such
-    flips grow through the layers, in PyTorch as in onnxruntime (SmolLM2-135M at 0.7: one flip in
-    layer 15 of 30 moved a position's logits by 12% of their scale). The perturbed twins
+    flips grow through the layers, in PyTorch as in onnxruntime (one flip in a middle layer can move a
+    position's logits by a tenth of their scale or more: docs/onnx.md). The perturbed twins
     (`_perturbed_twins`): the twin in float64, and the twin in float32 with every quantizer input
     moved by a few float32 ulps (`JITTER`), as different summation orders move them. Their largest
     distance is taken per position (`_Noise`): such a position gets its own limit without
