@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--packages", default=str(ROOT / "out" / "onnx"))
     ap.add_argument("--out", help="run folder (default: a new bench/results/onnx/<date>-<commit>)")
     args = ap.parse_args()
+    if args.onnx_int8 != "dynamic" and args.quant != "int8":
+        ap.error("--onnx-int8 qdq applies to --quant int8")
 
     calib = Path(args.calib) if args.calib else benchlib.data_file("valid", args.data)
     out, packages = benchlib.run_dir("onnx", args.out), Path(args.packages)

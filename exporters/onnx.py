@@ -128,6 +128,10 @@ def quantize_graph(src: Path, dst: Path, external_data: bool, roles: tuple[str, 
     matmuls = [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights
                and n.name.startswith("/layers.") and n.name[n.name.index("/", 1):] in wanted]
     nodes = [n.name for n in matmuls]
+    if activation_scales is not None and len(nodes) != len(activation_scales):
+        from exporters.onnx_check import ValidationError
+        raise ValidationError(f"the graph has {len(nodes)} MatMuls to quantize, the PyTorch twin "
+                              f"{len(activation_scales)} INT8 Linears")
     overrides = _activation_overrides(matmuls, activation_scales) if activation_scales is not None else None
     del proto
     root = logging.getLogger()
@@ -161,9 +165,10 @@ def quantize_graph(src: Path, dst: Path, external_data: bool, roles: tuple[str, 
         root.setLevel(level)
     # the graph and, past 2 GiB, the external data file onnxruntime names after it
     files = [dst.name] + sorted(f.name for f in dst.parent.iterdir() if f.name.startswith(dst.name + "."))
-    onnx.checker.check_model(str(dst))
     if activation_scales is not None:
         _unshare_pair_constants(dst)
+    onnx.checker.check_model(str(dst))
+    if activation_scales is not None:
         _check_qdq_scales(dst, nodes, activation_scales)
     return {"files": files, "bytes": sum((dst.parent / f).stat().st_size for f in files),
             "int8_matmuls": len(nodes), "int8_weight_max": weight_max,
@@ -178,7 +183,8 @@ def _activation_overrides(matmuls, scales: dict) -> dict[str, float]:
         layer, role = n.name.split("/")[1:3]
         scale = scales[(int(layer.removeprefix("layers.")), role)]
         if by_tensor.setdefault(n.input[0], scale) != scale:
-            raise ValueError(f"{n.name} reads {n.input[0]} with scale {scale}, another MatMul with "
+            from exporters.onnx_check import ValidationError
+            raise ValidationError(f"{n.name} reads {n.input[0]} with scale {scale}, another MatMul with "
                              f"{by_tensor[n.input[0]]}: one tensor gets one QuantizeLinear")
     return by_tensor
 
@@ -217,8 +223,9 @@ def _unshare_pair_constants(path: Path) -> None:
 
 
 def _check_qdq_scales(path: Path, nodes: list[str], scales: dict) -> None:
-    """Each INT8 MatMul of the written graph reads QuantizeLinear -> DequantizeLinear with the twin's
-    scale, bit for bit, and zero point 0: the rounding the end-to-end check can only bound, checked exactly."""
+    """Each INT8 MatMul of the written graph reads QuantizeLinear -> DequantizeLinear, both with the
+    twin's scale, bit for bit, and an int8 zero point 0: the rounding the end-to-end check can only
+    bound, checked exactly."""
     import onnx
     from onnx import numpy_helper
     from exporters.onnx_check import ValidationError
@@ -233,10 +240,11 @@ def _check_qdq_scales(path: Path, nodes: list[str], scales: dict) -> None:
         want = np.float32(scales[(int(layer.removeprefix("layers.")), role)])
         if q is None or q.op_type != "QuantizeLinear":
             raise ValidationError(f"{name} does not read a QuantizeLinear / DequantizeLinear pair")
-        got, zp = consts.get(q.input[1]), consts.get(q.input[2])
-        if got is None or zp is None or got.tobytes() != want.tobytes() or int(zp) != 0:
-            raise ValidationError(f"{name}: activation scale {got} (zero point {zp}) in the graph, "
-                                  f"{want} (zero point 0) in the PyTorch twin")
+        for node in (q, dq):
+            got, zp = consts.get(node.input[1]), consts.get(node.input[2])
+            if got is None or zp is None or got.tobytes() != want.tobytes() or zp.dtype != np.int8 or int(zp) != 0:
+                raise ValidationError(f"{name}: activation scale {got} (zero point {zp}) in the graph's "
+                                      f"{node.op_type}, {want} (int8 zero point 0) in the PyTorch twin")
 
 
 def _write_calibration_cache(path: Path, scales: dict[str, float]) -> None:
@@ -383,8 +391,13 @@ def _report(report_md: str, manifest: dict) -> str:
     e, c, g = manifest["engine"], manifest["checks"]["onnx"], manifest["onnx"]
     greedy = c["greedy"]
     tie = f", parted at a near-tie at token {greedy['parted_at_near_tie']['step']}" if greedy["parted_at_near_tie"] else ""
-    loosened = (f", or twice the float64 twin's own distance at {c['positions_loosened_by_float_noise']} of "
+    loosened = (f", or twice the perturbed twins' distance at {c['positions_loosened_by_float_noise']} of "
                 f"{c['positions']} positions" if c.get("positions_loosened_by_float_noise") else "")
+    exact = c.get("as_written")
+    as_written = ([f"- the QDQ graph as written, rounding as onnxruntime did at {exact['near_ties_taken_from_onnxruntime']} "
+                   f"near-ties of {exact['activations_compared']:,} activations: prefill logits max |diff| "
+                   f"{exact['prefill']['logits_max_abs_diff']:.2e}, caches {exact['prefill']['present_max_abs_diff']:.2e} "
+                   f"(tolerance {exact['tolerance_of_scale']:g} x the largest logit)"] if exact else [])
     genai_line = (f"- `{genai.FILENAME}`: runs with onnxruntime-genai" if "config" in e["onnxruntime_genai"]
                   else f"- no `{genai.FILENAME}`: {e['onnxruntime_genai']['unsupported']}")
     lines = [head, "", "## Serving (ONNX)", "",
@@ -397,6 +410,7 @@ def _report(report_md: str, manifest: dict) -> str:
              f"prefill logits max |diff| {c['prefill']['logits_max_abs_diff']:.2e}, decode "
              f"{c['decode']['logits_max_abs_diff']:.2e} (tolerance {c['tolerance_of_scale']:g} x the largest logit{loosened}); greedy "
              f"{greedy['matched']}/{greedy['tokens']} tokens identical{tie}",
+             *as_written,
              f"- export {c['export_s']:.1f} s, validation {c['validate_s']:.1f} s",
              f"- internal check: {report.check_reference(manifest.get('method', {}))} vs physically pruned logits differ by at most "
              f"{manifest['checks'].get('masked_vs_pruned_max_abs_logit_diff', float('nan')):.2e}", ""]

@@ -131,7 +131,7 @@ def validate(model, onnx_path: Path, dtype: str = "float32", tokenizer=None, see
     noise = noise2 = twins = None
     if int8:
         twins = _perturbed_twins(model, ref)
-        noise = _Noise([t(ids, mask, pos) for t in twins], r_logits, r_pres)
+        noise = _Noise([t(ids, mask, pos) for t in twins], r_logits, r_pres, keep, keep)
         figures.update(reference_twin_noise=noise.max, perturbed_twins=len(twins))
     logits, pres = _run(ort_dec, ids, mask, pos, ort_dec.empty_past(b))
     _shapes("prefill", logits, pres, (b, s, vocab), shapes, d, s)
@@ -146,7 +146,7 @@ def validate(model, onnx_path: Path, dtype: str = "float32", tokenizer=None, see
     r_logits2, _, r_pres2 = ref(nxt, mask2, pos2, state)
     if int8:
         noise2 = _Noise([t(nxt, mask2, pos2, st) for t, st in zip(twins, noise.states)], r_logits2, r_pres2,
-                        typical=noise)
+                        np.ones((b, 1), bool), mask2.bool().numpy(), typical=noise)
         figures.update(reference_twin_noise=max(noise.max, noise2.max), tolerance_of_scale=noise.tolerance_of_scale(tol),
                        positions_loosened_by_float_noise=noise.loosened(tol) + noise2.loosened(tol),
                        positions=int(keep.sum()) + b)
@@ -204,6 +204,10 @@ class _MatchedRounding:
                 if mm.op_type == "MatMul" and mm.name.startswith("/layers."):
                     layer, role = mm.name.split("/")[1:3]
                     self.tensor_of[(int(layer.removeprefix("layers.")), role)] = q.output[0]
+        missing = sorted(set(self.int8.scales) - set(self.tensor_of))
+        if missing:
+            raise ValidationError(f"the graph has no QuantizeLinear for the twin's INT8 Linear {missing[0]} "
+                                  f"({len(missing)} missing)")
         self.names = sorted(set(self.tensor_of.values()))
         for t in self.names:
             proto.graph.output.append(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.INT8, None))
@@ -269,19 +273,24 @@ class _Noise:
     """Twice the perturbed twins' largest distance from the float32 reference per position, the
     limits of an INT8 check: `logits` (batch, seq, 1) and `presents` (one (batch, 1, seq, 1) per
     cache tensor), never below twice the distance at 90% of the positions (`typical`: a position
-    where the twins happen to agree is no tighter than the rest; the positions beyond it keep their own)."""
+    where the twins happen to agree is no tighter than the rest; the positions beyond it keep their own).
+    keep, cache_keep: the positions compared, (batch, seq) and (batch, cache length): padded ones
+    take no part in the statistics."""
 
-    def __init__(self, runs: list, r_logits, r_pres, typical: "_Noise | None" = None):
+    def __init__(self, runs: list, r_logits, r_pres, keep: np.ndarray, cache_keep: np.ndarray,
+                 typical: "_Noise | None" = None):
         self.states = [state for _, state, _ in runs]
         dist = np.max([(lg.float() - r_logits).abs().amax(-1, keepdim=True).numpy() for lg, _, _ in runs], axis=0)
         pres = [np.max([(run[2][i].float() - p).abs().amax((1, 3), keepdim=True).numpy() for run in runs], axis=0)
                 for i, p in enumerate(r_pres)]
-        self.max = float(dist.max())
+        kept = dist[..., 0][keep]
+        self.max = float(kept.max())
         self.scale = max(1.0, float(r_logits.abs().max()))
-        self.typical = typical.typical if typical else float(np.quantile(dist, 0.9))
+        self.typical = typical.typical if typical else float(np.quantile(kept, 0.9))
         self.logits = 2 * np.maximum(dist, self.typical)
-        self.presents = [2 * np.maximum(p, np.quantile(p, 0.9)) for p in pres]
-        self._dist = dist
+        self.presents = [2 * np.maximum(p, np.quantile(p[:, 0, :, 0][cache_keep[:, -p.shape[2]:]], 0.9))
+                         for p in pres]
+        self._dist = kept
 
     def tolerance_of_scale(self, tol: float) -> float:
         """The tolerance at most positions, as a fraction of the logits' scale."""
@@ -299,7 +308,7 @@ def _compare(step, logits, r_logits, pres, r_pres, keep, tol, noise=None, pres_n
     if diff["excess"] > 0:
         raise ValidationError(f"{step}: logits differ from PyTorch by up to {diff['max_abs']:.3g} "
                               f"(tolerance {diff['limit']:.3g} = {tol:g} x their scale"
-                              f"{'' if noise is None else ', or twice the float64 twin’s distance'})")
+                              f"{'' if noise is None else ', or twice the perturbed twins’ distance'})")
     worst = 0.0
     for i, (a, r) in enumerate(zip(pres, r_pres)):
         r = r.float().numpy()
@@ -310,7 +319,7 @@ def _compare(step, logits, r_logits, pres, r_pres, keep, tol, noise=None, pres_n
             raise ValidationError(f"{step}: present.{i // 2}.{('key', 'value')[i % 2]} differs from PyTorch's cache "
                                   f"by up to {dd['max_abs']:.3g} (tolerance {dd['limit']:.3g})")
         worst = max(worst, dd["max_abs"])
-    return {"logits_max_abs_diff": diff["max_abs"], "present_max_abs_diff": worst,
+    return {"logits_max_abs_diff": diff["max_abs"], "present_max_abs_diff": worst if pres else None,
             "logits_max_abs": float(np.abs(r_logits).max())}
 
 

@@ -210,8 +210,8 @@ def quantize_linear(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 # How close to a half step (in steps) a value must be for onnxruntime to round it the other way: their
-# float32 activations differ from PyTorch's by a few ulps (their summation orders differ), a ten-
-# thousandth of a step or less at int8 scales; a wrong scale or rounding moves values by whole fractions.
+# float32 activations differ from PyTorch's by a few ulps (their summation orders differ), far below a
+# thousandth of a step at an int8 scale; a wrong scale or rounding moves values by whole fractions.
 NEAR_TIE = 1e-3
 
 
