@@ -212,14 +212,14 @@ class _MatchedRounding:
         for t in self.names:
             proto.graph.output.append(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.INT8, None))
         copy = onnx_path.parent / f".rounding-{onnx_path.name}"
-        onnx.save(proto, str(copy))  # its weights stay in the graph's own external data file, if any, by name
         try:
+            onnx.save(proto, str(copy))  # its weights stay in the graph's own external data file, if any, by name
             self.dec = OrtDecoder(copy, threads=threads, optimized=False)
         except Exception as e:
             raise ValidationError(f"onnxruntime cannot load the graph with its int8 activations as outputs: "
                                   f"{_line(e)}") from None
         finally:
-            copy.unlink()
+            copy.unlink(missing_ok=True)
         self.n_pres = len(self.dec.past_names)
 
     def __call__(self, ids, mask, pos, state=None):
