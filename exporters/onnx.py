@@ -395,7 +395,7 @@ def _report(report_md: str, manifest: dict) -> str:
                 f"{c['positions']} positions" if c.get("positions_loosened_by_float_noise") else "")
     exact = c.get("as_written")
     as_written = ([f"- the QDQ graph as written, rounding as onnxruntime did at {exact['near_ties_taken_from_onnxruntime']} "
-                   f"near-ties of {exact['activations_compared']:,} activations: prefill logits max |diff| "
+                   f"near-ties of {exact['activations_compared']:,} quantized values: prefill logits max |diff| "
                    f"{exact['prefill']['logits_max_abs_diff']:.2e}, caches {exact['prefill']['present_max_abs_diff']:.2e} "
                    f"(tolerance {exact['tolerance_of_scale']:g} x the largest logit)"] if exact else [])
     genai_line = (f"- `{genai.FILENAME}`: runs with onnxruntime-genai" if "config" in e["onnxruntime_genai"]

@@ -320,3 +320,9 @@ def test_onnx_table_names_a_greedy_parting_at_a_near_tie():
     md = onnx_script._markdown(run)
     assert "- r=0.70: 3.60e+00 / 7.31e-01; greedy 1/32, parted at a near-tie at token 2 (logit margin 0.050)" in md
     assert "- r=1.00: 3.85e-04 / 5.53e-05; greedy 32/32\n" in md  # the dense graph matched all the way
+    # a QDQ package's exact check, from the manifest the run kept
+    manifest = json.loads((ROOT / "bench/results/onnx/2026-12-06-7d44414-qdq-checks/manifest-r0.70-int8-qdq.json")
+                          .read_text())
+    run["levels"][0]["validation"]["as_written"] = manifest["checks"]["onnx"]["as_written"]
+    assert ("; the QDQ graph as written, rounding as onnxruntime did at 8 near-ties of 2,280,960 quantized values: "
+            "8.94e-05 / 4.01e-05, caches 1.14e-05") in onnx_script._markdown(run)
