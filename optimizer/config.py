@@ -196,7 +196,7 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError(f"unknown --quant '{cfg.quant}'; choose from: {', '.join(QUANT)}")
     if cfg.onnx_int8 not in ONNX_INT8:
         raise UserError(f"unknown --onnx-int8 '{cfg.onnx_int8}'; choose from: {', '.join(ONNX_INT8)}")
-    if cfg.onnx_int8 != "dynamic" and (cfg.format != "onnx" or cfg.quant != "int8"):
+    if cfg.onnx_int8 != "dynamic" and (cfg.format != "onnx" or cfg.quant not in ("int8", "auto")):
         raise UserError(f"--onnx-int8 {cfg.onnx_int8} applies to ONNX packages quantized to INT8: "
                         f"add --format onnx --quant int8")
     if cfg.quant not in ("none", "auto"):  # auto falls back to 16-bit for these (plan.choose_quant)

@@ -88,7 +88,12 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         form = ("dynamic INT8 (MatMulInteger" if cfg.onnx_int8 == "dynamic" else
                 "static INT8 in QDQ form (QuantizeLinear / DequantizeLinear pairs")
         plan.quant_reason = (f"--quant int8 requested: onnxruntime's {form}, run by onnxruntime on the CPU), "
-                             f"whatever kernels the target's GPU has")
+                             f"whatever kernels the target's GPU has" if cfg.quant == "int8" else
+                             f"the cpu target's INT8 kernels (VNNI / AMX) through onnxruntime's {form}, its CPU "
+                             f"provider's integer kernels)")
+    if cfg.onnx_int8 != "dynamic" and plan.quant != "int8":
+        raise UserError(f"--onnx-int8 {cfg.onnx_int8} needs INT8 weights, but "
+                        f"{plan.quant_reason.removesuffix(' (--quant auto)')}")
     if cfg.format == "onnx" and not adapter.onnx_export:
         raise UserError(f"{adapter.family}: ONNX export covers the LLaMA-shaped families "
                         f"({', '.join(onnx_families())}); use --format vllm")
@@ -180,8 +185,11 @@ def _not_quantized(cfg: OptimizeConfig, plan, moe: bool = False) -> str | None:
     """Why this kind of package keeps 16-bit weights whatever the target accelerates, or None."""
     if moe:
         return "MoE packages are not quantized yet"
-    if cfg.format != "vllm":
-        return "ONNX packages keep fp32 weights unless asked (--quant int8: onnxruntime's INT8, --onnx-int8)"
+    if cfg.format != "vllm" and plan.target.kind != "cpu":
+        return ("ONNX packages for a GPU keep fp32 weights (onnxruntime's INT8 kernels are its CPU provider's; "
+                "--quant int8 to ask)")
+    if cfg.format != "vllm" and cfg.onnx_dtype != "float32":
+        return "a float16 ONNX package is not quantized (INT8 is quantized from the float32 graph)"
     if plan.sparsity:
         return "2:4 packages keep 16-bit weights (vLLM's 2:4 kernels are unquantized)"
     return None

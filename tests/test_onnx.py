@@ -513,7 +513,7 @@ def _optimize(tiny_dir, text_file, out, retain, *extra):
     from optimizer.cli import optimize
     args = [tiny_dir, "--target", "cpu", "--method", "activation", "--retain", retain, "--calib", text_file,
             "--eval", text_file, "--seq-len", "64", "--calib-windows", "2", "--eval-windows", "1",
-            "--format", "onnx", "--no-heal", *extra, "-o", out]
+            "--format", "onnx", "--no-heal", *(() if "--quant" in extra else ("--quant", "none")), *extra, "-o", out]
     return CliRunner().invoke(optimize, [str(a) for a in args], catch_exceptions=False)
 
 
@@ -749,6 +749,7 @@ def test_real_model_onnx_package(real_model_dir, tmp_path):
     from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimize
     out = tmp_path / "smollm2-onnx-r0.50"
     res = optimize(OptimizeConfig(target="cpu", method="activation", retain=0.5, out=str(out), format="onnx", threads=1,
+                                  quant="none",
                                   heal=HealSettings(tokens=0),
                                   data=DataConfig(calib_windows=2, eval_windows=1, seq_len=512)), log=lambda *_: None)
     checks = res["manifest"]["checks"]["onnx"]

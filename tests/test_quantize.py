@@ -249,6 +249,25 @@ def test_a_precision_without_a_kernel_says_so_in_the_plan(tiny_dirs, text_file, 
     assert r.exit_code == 0 and "onnxruntime's dynamic INT8" in r.output and "expect no speedup" not in r.output
 
 
+def test_auto_quantizes_onnx_packages_for_the_cpu_target_only(tiny_dirs, text_file, tmp_path):
+    """--quant auto for an ONNX package: INT8 on the cpu target (onnxruntime's CPU provider has the integer
+    kernels), fp32 for a GPU target and for an fp16 graph; --onnx-int8 qdq where auto keeps fp32 is refused."""
+    def plan(*args):
+        r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--format", "onnx", "--dry-run", *args)
+        return r, next(line for line in r.output.splitlines() if line.startswith("quantization:"))
+    r, line = plan("--target", "cpu")
+    assert r.exit_code == 0 and line == "quantization: INT8 W8A8" and "the cpu target's INT8 kernels" in r.output
+    r, line = plan("--target", "cpu", "--onnx-int8", "qdq")
+    assert r.exit_code == 0 and line == "quantization: INT8 W8A8" and "static INT8 in QDQ form" in r.output
+    for args in (("--target", "a100"), ("--target", "cpu", "--onnx-dtype", "float16")):
+        r, line = plan(*args)
+        assert r.exit_code == 0 and line == "quantization: 16-bit weights", args
+    r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--format", "onnx", "--target", "a100", "--onnx-int8", "qdq",
+                  "--dry-run")
+    assert r.exit_code == 2 and "error: --onnx-int8 qdq needs INT8 weights, but ONNX packages for a GPU keep fp32" \
+        in r.output and not (tmp_path / "pkg").exists()
+
+
 def test_the_roofline_counts_the_quantized_bytes_and_flops(tiny_dirs, text_file, tmp_path):
     """The plan's prediction for a quantized package: fewer weight bytes (the embedding stays 16-bit),
     so a higher predicted speedup than the 16-bit package, with the int8 peak for prefill where there is
