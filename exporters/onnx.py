@@ -175,13 +175,34 @@ def quantize_graph(src: Path, dst: Path, external_data: bool, roles: tuple[str, 
             "int8_activations": "dynamic" if overrides is None else "qdq"}
 
 
+def int8_key(matmul_name: str) -> tuple[int, str]:
+    """(block, role) of the decoder's MatMul `/layers.{i}/{role}/MatMul`: the key of its twin's Linear
+    in optimizer/quantize.OrtInt8."""
+    layer, role = matmul_name.split("/")[1:3]
+    return int(layer.removeprefix("layers.")), role
+
+
+def qdq_pairs(graph) -> dict[tuple[int, str], tuple]:
+    """The (QuantizeLinear, DequantizeLinear) nodes each block MatMul of a QDQ graph reads its
+    activation through, by int8_key."""
+    producer = {o: n for n in graph.node for o in n.output}
+    pairs = {}
+    for mm in graph.node:
+        if mm.op_type != "MatMul" or not mm.name.startswith("/layers."):
+            continue
+        dq = producer.get(mm.input[0])
+        q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+        if q is not None and q.op_type == "QuantizeLinear":
+            pairs[int8_key(mm.name)] = (q, dq)
+    return pairs
+
+
 def _activation_overrides(matmuls, scales: dict) -> dict[str, float]:
     """The static scale of each quantized MatMul's input tensor, by tensor name. q, k and v read one
     tensor (as gate and up do), so they share one QuantizeLinear: their scales must agree."""
     by_tensor: dict[str, float] = {}
     for n in matmuls:
-        layer, role = n.name.split("/")[1:3]
-        scale = scales[(int(layer.removeprefix("layers.")), role)]
+        scale = scales[int8_key(n.name)]
         if by_tensor.setdefault(n.input[0], scale) != scale:
             from exporters.onnx_check import ValidationError
             raise ValidationError(f"{n.name} reads {n.input[0]} with scale {scale}, another MatMul with "
@@ -230,17 +251,14 @@ def _check_qdq_scales(path: Path, nodes: list[str], scales: dict) -> None:
     from onnx import numpy_helper
     from exporters.onnx_check import ValidationError
     graph = onnx.load(str(path), load_external_data=False).graph
-    producer = {o: n for n in graph.node for o in n.output}
     consts = {i.name: numpy_helper.to_array(i) for i in graph.initializer if not i.external_data}
-    by_name = {n.name: n for n in graph.node}
+    pairs = qdq_pairs(graph)
     for name in nodes:
-        dq = producer.get(by_name[name].input[0]) if name in by_name else None
-        q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
-        layer, role = name.split("/")[1:3]
-        want = np.float32(scales[(int(layer.removeprefix("layers.")), role)])
-        if q is None or q.op_type != "QuantizeLinear":
+        key = int8_key(name)
+        if key not in pairs:
             raise ValidationError(f"{name} does not read a QuantizeLinear / DequantizeLinear pair")
-        for node in (q, dq):
+        want = np.float32(scales[key])
+        for node in pairs[key]:
             got, zp = consts.get(node.input[1]), consts.get(node.input[2])
             if got is None or zp is None or got.tobytes() != want.tobytes() or zp.dtype != np.int8 or int(zp) != 0:
                 raise ValidationError(f"{name}: activation scale {got} (zero point {zp}) in the graph's "

@@ -159,7 +159,7 @@ def validate(model, onnx_path: Path, dtype: str = "float32", tokenizer=None, see
     figures["greedy"] = _greedy(ort_dec, ref, _prompt(tokenizer, vocab, rng), tol,
                                 twins, noise.typical if int8 else 0.0)
     if int8 and static_activations:
-        figures["as_written"] = _as_written(_MatchedRounding(onnx_path, model, threads), (ids, mask, pos),
+        figures["as_written"] = _as_written(_MatchedRounding(onnx_path, ref, threads), (ids, mask, pos),
                                             (nxt, mask2, pos2))
     figures["validate_s"] = round(time.time() - t0, 2)
     return figures
@@ -189,21 +189,13 @@ class _MatchedRounding:
     away from a near-tie fails. Returns the twin's (logits, state, presents) and onnxruntime's
     (logits, presents); the state carries both caches."""
 
-    def __init__(self, onnx_path: Path, model, threads: int):
+    def __init__(self, onnx_path: Path, ref: _Reference, threads: int):
         import onnx
-        self.ref, self.int8, self.counts = _Reference(model), model.ort_int8, {}
-        self.name = "transformers, rounding as onnxruntime at near-ties"
+        from exporters.onnx import qdq_pairs
+        self.ref, self.int8, self.counts = ref, ref.model.ort_int8, {}
         proto = onnx.load(str(onnx_path), load_external_data=False)
-        readers: dict[str, list] = {}
-        for n in proto.graph.node:
-            for t in n.input:
-                readers.setdefault(t, []).append(n)
-        self.tensor_of = {}  # (block, role) -> the QuantizeLinear output its MatMul reads through a DequantizeLinear
-        for q in (n for n in proto.graph.node if n.op_type == "QuantizeLinear"):
-            for mm in (m for dq in readers.get(q.output[0], []) for m in readers.get(dq.output[0], [])):
-                if mm.op_type == "MatMul" and mm.name.startswith("/layers."):
-                    layer, role = mm.name.split("/")[1:3]
-                    self.tensor_of[(int(layer.removeprefix("layers.")), role)] = q.output[0]
+        # (block, role) -> the QuantizeLinear output its MatMul reads through a DequantizeLinear
+        self.tensor_of = {key: q.output[0] for key, (q, _dq) in qdq_pairs(proto.graph).items()}
         missing = sorted(set(self.int8.scales) - set(self.tensor_of))
         if missing:
             raise ValidationError(f"the graph has no QuantizeLinear for the twin's INT8 Linear {missing[0]} "

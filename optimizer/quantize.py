@@ -232,27 +232,30 @@ def quantize_linear_as(x: torch.Tensor, scale: float, theirs: torch.Tensor, vali
     return (t * scale).to(x.dtype)
 
 
-@torch.no_grad()
-def activation_scales(model, linears: dict, windows: torch.Tensor) -> dict:
-    """Static int8 scales for the inputs of `linears` ({key: Linear}): the absmax each input reached
-    over `windows`, / 127, as a float32 value (the graph's scale initializers are float32)."""
-    import numpy as np
-    absmax, hooks = {}, []
-
-    def record(key):
-        def hook(_module, args):
-            m = float(args[0].detach().abs().max())
-            absmax[key] = max(absmax.get(key, 0.0), m)
-        return hook
-
-    for key, lin in linears.items():
-        hooks.append(lin.register_forward_pre_hook(record(key)))
+def _record_inputs(model, modules: dict, windows: torch.Tensor, record) -> None:
+    """Run `windows` through `model` one at a time, calling record(key, input) with each module's
+    input (`modules`: {key: module}); the hooks are removed whatever happens."""
+    hooks = [m.register_forward_pre_hook(lambda _m, args, key=key: record(key, args[0].detach()))
+             for key, m in modules.items()]
     try:
         for w in windows:
             model(w[None])
     finally:
         for h in hooks:
             h.remove()
+
+
+@torch.no_grad()
+def activation_scales(model, linears: dict, windows: torch.Tensor) -> dict:
+    """Static int8 scales for the inputs of `linears` ({key: Linear}): the absmax each input reached
+    over `windows`, / 127, as a float32 value (the graph's scale initializers are float32)."""
+    import numpy as np
+    absmax = {}
+
+    def record(key, x):
+        absmax[key] = max(absmax.get(key, 0.0), float(x.abs().max()))
+
+    _record_inputs(model, linears, windows, record)
     return {key: float(np.float32(a / 127)) if a > 0 else 1.0 for key, a in absmax.items()}
 
 
@@ -381,23 +384,15 @@ def smooth(model, adapter, windows: torch.Tensor, alpha: float = SMOOTH_ALPHA) -
     activations then lose less to the few channels that dominate each token's range."""
     blocks = list(adapter.blocks(model))
     lays = [layout(b, adapter) for b in blocks]
-    maxima, hooks = {}, []
+    maxima = {}
 
-    def record(key):
-        def hook(module, args):
-            m = args[0].detach().abs().flatten(0, -2).amax(dim=0).float()
-            maxima[key] = m if key not in maxima else torch.maximum(maxima[key], m)
-        return hook
+    def record(key, x):
+        m = x.abs().flatten(0, -2).amax(dim=0).float()
+        maxima[key] = m if key not in maxima else torch.maximum(maxima[key], m)
 
-    for i, (b, lay) in enumerate(zip(blocks, lays)):
-        for point, name in (("attn", lay.q), ("mlp", lay.gate), ("o", lay.o), ("down", lay.down)):
-            hooks.append(b.get_submodule(name).register_forward_pre_hook(record((i, point))))
-    try:
-        for w in windows:
-            model(w[None])
-    finally:
-        for h in hooks:
-            h.remove()
+    _record_inputs(model, {(i, point): b.get_submodule(name) for i, (b, lay) in enumerate(zip(blocks, lays))
+                           for point, name in (("attn", lay.q), ("mlp", lay.gate), ("o", lay.o), ("down", lay.down))},
+                   windows, record)
     for i, (b, lay) in enumerate(zip(blocks, lays)):
         col = lambda name: b.get_submodule(name).weight.detach().abs().amax(dim=0).float()  # noqa: E731
         w_max = {"attn": torch.stack([col(lay.q), col(lay.k), col(lay.v)]).amax(0),
