@@ -41,7 +41,7 @@ from optimizer import distributed
 from optimizer.evaluate import head_logits
 from optimizer.methods.base import TrainedMethod
 
-ALGORITHM = ("heal-2: logit KL(teacher || student), chunked; blocks and final norm train; AdamW or Adafactor, cosine; "
+ALGORITHM = ("heal-3: logit KL(teacher || student), chunked; blocks and final norm train; AdamW (fused) or Adafactor, cosine; "
              "held zeros' gradients dropped before clipping")  # a checkpoint of another version is not resumed
 
 # Each optimizer's peak and final learning rate by default. AdamW's is absolute (selected:
@@ -83,7 +83,10 @@ class Distillation(TrainedMethod):
         self.keep = keep or {}
         params = list(self.params.values())
         if cfg.optimizer == "adamw":
-            self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+            # the fused kernel: the same update, a third of the time on a CPU (0.09 s against 0.27 s a
+            # step for SmolLM2's 73M trainable weights), which counts at hundreds of small steps
+            fused = all(p.device.type in ("cpu", "cuda") for p in params)
+            self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
         elif cfg.optimizer == "adafactor":
             self.opt = torch.optim.Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         else:
