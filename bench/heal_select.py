@@ -5,8 +5,10 @@ One unhealed student (a package written by `optimize --method activation --retai
 corpus's calibration half (Wikipedia, shuffled, seeded; with --data mix also the first 90% of
 exllamav2's tiny / technical / code / multilingual samples). Each variant is scored on what the
 reported figures never use:
-- the KL to the dense model on held-out text: the calibration half's last two 1024-token windows
-  and two windows of the last 10% of each of those four samples (never trained on);
+- the KL to the dense model on held-out text: the calibration half's last 2048 tokens and 2048
+  tokens of the last 10% of each of those four samples (never trained on), in windows of
+  --heldout-seq tokens (1024 until 2026-12-06; 2048 is the reported perplexities' length, and a heal
+  on short sequences can gain at 1024 and lose at 2048);
 - the zero-shot mean of ARC-Easy, PIQA and HellaSwag on --zeroshot documents each drawn with
   seed 4321 (the reported figures use seed 1234).
 WikiText-2 and c4 (the reported perplexities) are not read here.
@@ -43,6 +45,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--data", default="wiki", choices=["wiki", "mix"])
+    ap.add_argument("--heldout-seq", type=int, default=2048, choices=[1024, 2048],
+                    help="tokens a held-out window (2048 tokens of each text either way)")
     ap.add_argument("--teacher-text", type=int, default=0, metavar="PROMPT_TOKENS",
                     help="train on the teacher's own samples: each sequence keeps its first PROMPT_TOKENS "
                          "tokens of --data and the dense model continues it (temperature 1, top-p 0.95); 0: off")
@@ -70,11 +74,12 @@ def main() -> None:
     student, _ = load.load_model(load.resolve(a.student))
 
     wiki = data.builtin_text("calib").text
-    held = {"wiki_heldout": data.token_windows(tok, wiki, 1024)[-2:]}
+    n_held = 2048 // a.heldout_seq
+    held = {"wiki_heldout": data.token_windows(tok, wiki, a.heldout_seq)[-n_held:]}
     train = [data.token_windows(tok, wiki[: wiki.rfind("\n", 0, int(len(wiki) * 0.97))], a.seq)]
     for name in data.HEAL_SAMPLES:  # the product's default heal reads their first 90% (split_sample's)
         first, rest = data.split_sample(data.builtin_sample(name).read_text())
-        held[name] = data.token_windows(tok, rest, 1024)[:2]
+        held[name] = data.token_windows(tok, rest, a.heldout_seq)[:n_held]
         if a.data == "mix":
             train.append(data.token_windows(tok, first, a.seq))
     train = torch.cat(train)
