@@ -69,7 +69,9 @@ from optimizer.errors import Terminated, UserError
 TOOL_VERSION = "0.1.0"
 MAX_MODEL_LEN = 2048          # the packages' --max-model-len
 ZEROSHOT_TASKS = ("arc_easy", "piqa", "hellaswag")  # --zeroshot: where SmolLM2-135M is above chance
-CHECKPOINT_EVERY = 25         # steps between checkpoints of a trained method
+CHECKPOINT_EVERY_S = 120      # seconds of training between checkpoints (a kill loses at most this): by
+                              # time, not steps, since a checkpoint costs seconds (SmolLM2's heal: 0.9 GB, ~3 s)
+                              # and a heal of small steps takes hundreds of them
 
 
 @dataclass
@@ -247,7 +249,7 @@ class Job:
     def train(self, method, chunks: torch.Tensor, steps: int, batch: int, ckpt: Path, desc: str,
               postfix: Callable[[dict], dict], max_time_s: float | None = None) -> dict:
         """Step a `TrainedMethod` to `steps`, `batch` chunks a step in a seeded order (resumable),
-        checkpointing every CHECKPOINT_EVERY steps and at the end; --resume continues from the
+        checkpointing every CHECKPOINT_EVERY_S seconds and at the end; --resume continues from the
         checkpoint; `max_time_s` stops it early (checkpointed). Returns the last step's stats,
         where it resumed from, and the wall time."""
         resumed = self.cfg.resume and method.load(ckpt)
@@ -255,6 +257,7 @@ class Job:
         if self.cfg.resume and not resumed:
             self.log(f"--resume: no checkpoint of this exact run at {ckpt}; starting from step 0")
         start_step, started, stats = method.step_count, time.time(), {}
+        saved = started
         main = distributed.is_main()  # the one process that writes checkpoints and shows progress
         bar = tqdm(total=steps, initial=method.step_count, desc=desc, unit="step", disable=not main)
         while method.step_count < steps:
@@ -263,8 +266,9 @@ class Job:
             bar.set_postfix(**postfix(stats))
             bar.update(1)
             out_of_time = max_time_s is not None and distributed.all_agree(time.time() - started >= max_time_s)
-            if main and (method.step_count % CHECKPOINT_EVERY == 0 or method.step_count == steps or out_of_time):
+            if main and (time.time() - saved >= CHECKPOINT_EVERY_S or method.step_count == steps or out_of_time):
                 method.save(ckpt)
+                saved = time.time()
             if out_of_time:
                 self.log(f"{desc}: stopped by the time cap after {method.step_count} of {steps} steps")
                 break
