@@ -84,9 +84,9 @@ class HealSettings:
                                       # 3e-4, bench/results/heal-select/), a cosine to a thirtieth of it
     memory: str = "fast"              # fast: AdamW, activations kept | lean: Adafactor, activations
                                       # recomputed per block (docs/heal.md, "Memory")
-    seq_len: int = 128                # tokens a sequence (the whole window where it does not divide);
-                                      # at a fixed budget, shorter ones heal more, down to 128
-                                      # (bench/results/heal-select/2026-12-06-c96885f-steps)
+    seq_len: int = 512                # tokens a sequence (the whole window where it does not divide);
+                                      # 128 healed more in the selection probe, not in the product
+                                      # (bench/results/heal/2026-12-06-bd26f05-seq128)
     batch: int = 1                    # sequences a step: more, smaller steps heal more per token
                                       # (bench/results/heal-select/2026-12-03-probe)
     chat: int | None = None           # chat answers the dense model writes to mix in; None: 40 where the

@@ -465,7 +465,7 @@ def test_optimize_under_torchrun_heals_on_two_processes_and_writes_one_package(t
     other = tmp_path / "heal.txt"
     other.write_text(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)))
     args = [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6", "--calib", str(text_file),
-            "--eval", str(text_file), "--heal-data", str(other), "--heal-tokens", "1024", "--heal-chat", "0",
+            "--eval", str(text_file), "--heal-data", str(other), "--heal-tokens", "4096", "--heal-chat", "0",
             "--seq-len", "128", "--calib-windows", "2", "--eval-windows", "1", "--quant", "none", "--threads", "1"]
     r = CliRunner().invoke(optimize, [*args, "--heal-batch", "2", "-o", str(tmp_path / "one")], catch_exceptions=False)
     assert r.exit_code == 0, r.output
