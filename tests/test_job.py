@@ -50,6 +50,38 @@ def test_batch_order_is_seeded_covers_every_chunk_per_pass_and_resumes_anywhere(
     assert not torch.equal(torch.cat([batch_indices(n, batch, s, seed=8) for s in range(10)]), order)
 
 
+def test_training_checkpoints_by_elapsed_time_and_at_the_end(tmp_path, monkeypatch):
+    """Job.train saves when CHECKPOINT_EVERY_S seconds have passed since the last save, and after the last
+    step, whatever the number of steps."""
+    from pathlib import Path
+
+    from optimizer import job as job_module
+    from optimizer.config import OptimizeConfig
+    from optimizer.job import Job
+
+    class Counting:
+        step_count, saved_at = 0, []
+
+        def load(self, path):
+            return False
+
+        def step(self, batch):
+            self.step_count += 1
+            clock[0] += 50.0  # each step "takes" 50 s
+            return {}
+
+        def save(self, path):
+            self.saved_at.append(self.step_count)
+
+    clock = [0.0]
+    monkeypatch.setattr(job_module.time, "time", lambda: clock[0])
+    job = Job(OptimizeConfig(), None, None, None, None, Path("out"), Path("tmp"))
+    method = Counting()
+    run = job.train(method, torch.zeros(4, 8), 7, 1, tmp_path / "ckpt.pt", "test", lambda s: {})
+    assert method.step_count == 7 and run["wall_s"] == 350.0
+    assert method.saved_at == [3, 6, 7]  # 150 s and 300 s since the last save (120 s apart at least), and the end
+
+
 def test_a_checkpoint_is_keyed_by_the_calibration_text_and_the_model_not_their_paths(tmp_path, monkeypatch):
     from pathlib import Path
 
