@@ -7,8 +7,8 @@ exllamav2's tiny / technical / code / multilingual samples). Each variant is sco
 reported figures never use:
 - the KL to the dense model on held-out text: the calibration half's last 2048 tokens and 2048
   tokens of the last 10% of each of those four samples (never trained on), in windows of
-  --heldout-seq tokens (1024 until 2026-12-06; 2048 is the reported perplexities' length, and a heal
-  on short sequences can gain at 1024 and lose at 2048);
+  --heldout-seq tokens (1024 until 2026-12-06; 2048 is the reported perplexities' length, which a heal
+  on short sequences never trains at);
 - the zero-shot mean of ARC-Easy, PIQA and HellaSwag on --zeroshot documents each drawn with
   seed 4321 (the reported figures use seed 1234).
 WikiText-2 and c4 (the reported perplexities) are not read here.
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--data", default="wiki", choices=["wiki", "mix"])
     ap.add_argument("--heldout-seq", type=int, default=2048, choices=[1024, 2048],
-                    help="tokens a held-out window (2048 tokens of each text either way)")
+                    help="tokens a held-out window (2048 tokens of each text either way, not always the same ones)")
     ap.add_argument("--teacher-text", type=int, default=0, metavar="PROMPT_TOKENS",
                     help="train on the teacher's own samples: each sequence keeps its first PROMPT_TOKENS "
                          "tokens of --data and the dense model continues it (temperature 1, top-p 0.95); 0: off")

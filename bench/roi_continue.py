@@ -15,7 +15,7 @@ bench/results/roi-continue/<date>-<commit>/.
 
 The loop is the product's training step (`RoI.step` on `optimizer.job.batch_indices`' seeded
 order, one chunk a step, as `Job.train` runs it) without `Job.train` itself: that needs a whole
-optimize job, steps to an absolute count and checkpoints every 25 steps, where this measures the
+optimize job, steps to an absolute count and checkpoints every 2 minutes, where this measures the
 hard mask every --eval-every steps and saves only with --save.
 """
 

@@ -73,8 +73,9 @@ def test_training_checkpoints_by_elapsed_time_and_at_the_end(tmp_path, monkeypat
         def save(self, path):
             self.saved_at.append(self.step_count)
 
+    from types import SimpleNamespace
     clock = [0.0]
-    monkeypatch.setattr(job_module.time, "time", lambda: clock[0])
+    monkeypatch.setattr(job_module, "time", SimpleNamespace(time=lambda: clock[0]))  # job.py's clock alone
     job = Job(OptimizeConfig(), None, None, None, None, Path("out"), Path("tmp"))
     method = Counting()
     run = job.train(method, torch.zeros(4, 8), 7, 1, tmp_path / "ckpt.pt", "test", lambda s: {})
