@@ -54,13 +54,15 @@ def test_training_checkpoints_by_elapsed_time_and_at_the_end(tmp_path, monkeypat
     """Job.train saves when CHECKPOINT_EVERY_S seconds have passed since the last save, and after the last
     step, whatever the number of steps."""
     from pathlib import Path
+    from types import SimpleNamespace
 
     from optimizer import job as job_module
     from optimizer.config import OptimizeConfig
     from optimizer.job import Job
 
     class Counting:
-        step_count, saved_at = 0, []
+        def __init__(self):
+            self.step_count, self.saved_at = 0, []
 
         def load(self, path):
             return False
@@ -73,7 +75,6 @@ def test_training_checkpoints_by_elapsed_time_and_at_the_end(tmp_path, monkeypat
         def save(self, path):
             self.saved_at.append(self.step_count)
 
-    from types import SimpleNamespace
     clock = [0.0]
     monkeypatch.setattr(job_module, "time", SimpleNamespace(time=lambda: clock[0]))  # job.py's clock alone
     job = Job(OptimizeConfig(), None, None, None, None, Path("out"), Path("tmp"))
