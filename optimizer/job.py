@@ -71,7 +71,7 @@ MAX_MODEL_LEN = 2048          # the packages' --max-model-len
 ZEROSHOT_TASKS = ("arc_easy", "piqa", "hellaswag")  # --zeroshot: where SmolLM2-135M is above chance
 CHECKPOINT_EVERY_S = 120      # seconds of training between checkpoints (a kill loses at most this): by
                               # time, not steps, since writing one (the weights and AdamW's two moments)
-                              # takes seconds, and a run of many small steps would write one every few
+                              # takes seconds, which a count of steps would charge however short they are
 
 
 @dataclass
