@@ -238,7 +238,7 @@ def _unshare_pair_constants(path: Path) -> None:
                     inits[name] = copy.deepcopy(inits[q.input[k]])
                     inits[name].name = name
                     graph.initializer.append(inits[name])
-                for node in pair[1:] + [q]:
+                for node in pair:
                     node.input[k] = name
     onnx.save(proto, str(path))
 
