@@ -2,7 +2,7 @@
 
 One unhealed student (a package written by `optimize --method activation --retain 0.7
 --no-heal`), healed per variant for --steps steps of --batch × --seq tokens of the built-in
-corpus's calibration half (Wikipedia, shuffled, seeded; with --data mix also the first 90% of
+corpus's calibration half (Wikipedia, shuffled by --seed; with --data mix also the first 90% of
 exllamav2's tiny / technical / code / multilingual samples). Each variant is scored on what the
 reported figures never use:
 - the KL to the dense model on held-out text: the calibration half's last 2048 tokens and 2048
@@ -52,6 +52,8 @@ def main() -> None:
                          "tokens of --data and the dense model continues it (temperature 1, top-p 0.95); 0: off")
     ap.add_argument("--dtype", default="auto", help="the training passes' dtype: auto (the product's) | float32 | bfloat16")
     ap.add_argument("--zeroshot", type=int, default=150, help="documents per task (seed 4321); 0: none")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the order of the heal sequences (0 until 2026-12-06): other seeds tell a setting's effect from the noise")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", help="run folder (default: a new bench/results/heal-select/DATE-COMMIT)")
     ap.add_argument("--table", action="store_true", help="only write select.md from the folder's variants")
@@ -83,7 +85,7 @@ def main() -> None:
         if a.data == "mix":
             train.append(data.token_windows(tok, first, a.seq))
     train = torch.cat(train)
-    train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(0))]
+    train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(a.seed))]
 
     gen_s = 0.0
     if a.teacher_text:  # only the windows the steps read
