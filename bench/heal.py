@@ -49,6 +49,9 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--zeroshot-limit", type=int, default=500, help="documents per task; 0: no zero-shot")
     ap.add_argument("--zeroshot-seed", type=int, default=1234)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="`optimize --seed` values: the heal's sequence order (and chat answers); each other than 0 "
+                         "is its own row, named ...-sN: how far the same settings scatter")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--out", help="run folder (default: a new bench/results/heal/DATE-COMMIT)")
@@ -89,7 +92,7 @@ def main() -> None:
                 "zeroshot": {"tasks": TASKS, "limit": args.zeroshot_limit, "seed": args.zeroshot_seed},
                 "threads": args.threads}
     invocation = {"methods": args.methods, "retain": args.retain, "heal_tokens": args.heal_tokens,
-                  "heal_memory": args.heal_memory, "resume": args.resume, **benchlib.run_info()}
+                  "heal_memory": args.heal_memory, "seeds": args.seeds, "resume": args.resume, **benchlib.run_info()}
     # keyed by command and commit: the same command rerun at another commit is another invocation
     key = f"{invocation['command']} @ {(invocation.get('commit') or 'unknown')[:7]}"
     benchlib.update_result(path, {"protocol": {**protocol, "invocations": {key: invocation}},
@@ -113,10 +116,12 @@ def main() -> None:
         method, _, layout = spec.partition(":")
         levels = args.retain if method in STRUCTURED else [None]
         for retain in levels:
-            for tokens in args.heal_tokens:
+            for tokens, seed in ((t, s) for t in args.heal_tokens for s in args.seeds):
                 name = f"{spec}-r{retain:.2f}-h{tokens}" if retain else f"{spec}-2of4-h{tokens}"
                 if args.heal_memory != "fast" and tokens:
                     name += f"-{args.heal_memory}"
+                if seed:
+                    name += f"-s{seed}"
                 if name in benchlib.read_result(path)["runs"]:
                     continue
                 pkg = benchlib.ROOT / "out" / "heal" / out.name / name
@@ -126,7 +131,7 @@ def main() -> None:
                     target="a100" if method in STRUCTURED else "h100", method=method,
                     engine_version=None if method in STRUCTURED else "0.18.0", sparsity="2:4",
                     retain=retain or 0.7, layout=layout or "uniform", out=str(pkg), threads=args.threads,
-                    resume=args.resume,
+                    resume=args.resume, seed=seed,
                     data=DataConfig(calib=args.calib, eval=str(test_file), calib_windows=args.calib_windows,
                                     eval_windows=args.eval_windows),
                     ddp=DDPSettings(), quant="none",  # the 16-bit healed package (bench/quant.py quantizes)
@@ -135,7 +140,7 @@ def main() -> None:
                 m = optimize(cfg, log=lambda *a: print(*a, flush=True))["manifest"]
                 model, _ = load.load_model(load.resolve(str(pkg)))
                 row = {"method": spec, "retain": retain, "heal_tokens": tokens, "heal_memory": args.heal_memory,
-                       "package": str(pkg),
+                       "seed": seed, "package": str(pkg),
                        "wikitext2": m["quality"]["perplexity"]["pruned"],
                        "c4": evaluate.perplexity(model, c4, f"{name}: c4"),
                        "optimize_wall_s": round(time.time() - t0, 1),
@@ -196,7 +201,8 @@ def markdown(r: dict) -> str:
              f"{d['zeroshot']['mean']:.3f}" if "zeroshot" in d else "—", "—", "—", "—"]]
     for name, x in r["runs"].items():
         h = x.get("heal") or {}
-        method = x["method"] + (f" ({x['heal_memory']} heal)" if x.get("heal_memory", "fast") != "fast" else "")
+        method = x["method"] + (f" ({x['heal_memory']} heal)" if x.get("heal_memory", "fast") != "fast" else "") \
+            + (f" (seed {x['seed']})" if x.get("seed") else "")
         rows.append([method, "2:4" if x["retain"] is None else f"{x['retain']:.2f}", f"{x['heal_tokens']:,}",
                      f"{x['wikitext2']:.2f}", f"{x['wikitext2'] / d['wikitext2']:.2f}",
                      f"{x['c4']:.2f}", f"{x['c4'] / d['c4']:.2f}",
@@ -226,6 +232,8 @@ def plot(r: dict, path: Path) -> None:
         key = f"{x['method']} {'2:4' if x['retain'] is None else x['retain']}"
         if x.get("heal_memory", "fast") != "fast":
             key += f" {x['heal_memory']}"
+        if x.get("seed"):
+            key += f" seed {x['seed']}"
         series.setdefault(key, []).append(x)
     for key, xs in series.items():
         xs = sorted(xs, key=lambda x: x["heal_tokens"])
