@@ -136,15 +136,15 @@ def markdown(folder: Path) -> str:
         r = json.loads(f.read_text())
         a = r["args"]
         data = a["data"] + (f" (teacher, prompt {a['teacher_text']})" if a.get("teacher_text") else "")
-        rows.append([f.stem, f"{a['lr']:g}", data, f"{a['steps']} × {a['batch']} × {a['seq']}",
+        rows.append([f.stem, Path(a["student"]).name, str(a.get("seed", 0)), f"{a['lr']:g}", data,
+                     f"{a['steps']} × {a['batch']} × {a['seq']}", f"{sum(r['before'].values()) / len(r['before']):.4f}",
                      f"{r['after_mean']:.4f}", *(f"{r['after'][k]:.4f}" for k in r["after"]),
                      f"{r['zeroshot']:.3f}" if "zeroshot" in r else "—"])
     first = json.loads(sorted(folder.glob("*.json"))[0].read_text())
-    header = ["variant", "lr", "data", "steps × batch × seq", "held-out KL, mean", *first["after"],
-              f"zero-shot mean (seed {SELECTION_SEED})"]
+    header = ["variant", "student", "seed", "lr", "data", "steps × batch × seq", "held-out KL before, mean",
+              "after, mean", *first["after"], f"zero-shot mean (seed {SELECTION_SEED})"]
     return ("# Heal settings, selected on held-out KL and zero-shot seed 4321 (not the reported figures)\n\n"
-            f"Before healing, held-out KL: {first['before']}.\n\n"
-            + benchlib.markdown_table(header, rows, align="llll" + "r" * (len(header) - 4)) + "\n")
+            + benchlib.markdown_table(header, rows, align="l" * 6 + "r" * (len(header) - 6)) + "\n")
 
 
 if __name__ == "__main__":
