@@ -50,8 +50,9 @@ def main() -> None:
     ap.add_argument("--zeroshot-limit", type=int, default=500, help="documents per task; 0: no zero-shot")
     ap.add_argument("--zeroshot-seed", type=int, default=1234)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0],
-                    help="`optimize --seed` values: the heal's sequence order (and chat answers); each other than 0 "
-                         "is its own row, named ...-sN: how far the same settings scatter")
+                    help="`optimize --seed` values (the heal's sequence order and chat answers; DDP's and RoI's "
+                         "training too): each other than 0 is its own row, named ...-sN, for healed rows only: "
+                         "how far the same settings scatter")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--out", help="run folder (default: a new bench/results/heal/DATE-COMMIT)")
@@ -116,7 +117,8 @@ def main() -> None:
         method, _, layout = spec.partition(":")
         levels = args.retain if method in STRUCTURED else [None]
         for retain in levels:
-            for tokens, seed in ((t, s) for t in args.heal_tokens for s in args.seeds):
+            # unhealed rows at the first seed only (a one-shot one is the same at every seed)
+            for tokens, seed in ((t, s) for t in args.heal_tokens for s in (args.seeds if t else args.seeds[:1])):
                 name = f"{spec}-r{retain:.2f}-h{tokens}" if retain else f"{spec}-2of4-h{tokens}"
                 if args.heal_memory != "fast" and tokens:
                     name += f"-{args.heal_memory}"

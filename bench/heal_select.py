@@ -138,8 +138,9 @@ def heal_once(student, teacher, tok, train, held, kls, cfg, a, seed: int) -> dic
             curve.append({"step": i + 1, "wiki_heldout": round(kd_eval(student, teacher, held["wiki_heldout"]), 4)})
             print(f"step {i + 1}: held-out KL {curve[-1]['wiki_heldout']}", flush=True)
     distil.close()
-    run = {"seed": seed, "generate_s": round(gen_s), "heal_s": round(time.time() - started), "train_kd": losses,
-           "after": kls(student), **({"curve": curve} if curve else {})}
+    run = {"seed": seed, "train_sequences": len(train), "generate_s": round(gen_s),
+           "heal_s": round(time.time() - started), "train_kd": losses, "after": kls(student),
+           **({"curve": curve} if curve else {})}
     run["after_mean"] = sum(run["after"].values()) / len(held)
     if a.zeroshot:
         run["zeroshot"] = zeroshot.evaluate(student, tok, ["arc_easy", "piqa", "hellaswag"], a.zeroshot,
@@ -166,6 +167,8 @@ def markdown(folder: Path) -> str:
     rows = []
     for f in sorted(folder.glob("*.json")):
         r = json.loads(f.read_text())
+        if "args" not in r:
+            continue  # a probe's other files (chunk.json, ...)
         a = r["args"]
         data = a["data"] + (f" (teacher, prompt {a['teacher_text']})" if a.get("teacher_text") else "")
         seeds = [str(x["seed"]) for x in r["runs"]] if "runs" in r else [str(a.get("seed", 0))]
@@ -174,7 +177,7 @@ def markdown(folder: Path) -> str:
                      f"{a['steps']} × {a['batch']} × {a['seq']}", f"{sum(r['before'].values()) / len(r['before']):.4f}",
                      f"{r['after_mean']:.4f}{sd('after_mean_sd', '.4f')}", *(f"{r['after'][k]:.4f}" for k in r["after"]),
                      f"{r['zeroshot']:.3f}{sd('zeroshot_sd', '.3f')}" if "zeroshot" in r else "—"])
-    first = json.loads(sorted(folder.glob("*.json"))[0].read_text())
+    first = next(r for f in sorted(folder.glob("*.json")) if "args" in (r := json.loads(f.read_text())))
     header = ["variant", "student", "heal seeds", "lr", "data", "steps × batch × seq", "held-out KL before, mean",
               "after, mean (± sd over the seeds)", *first["after"], f"zero-shot mean (seed {SELECTION_SEED})"]
     return ("# Heal settings, selected on held-out KL and zero-shot seed 4321 (not the reported figures)\n\n"
