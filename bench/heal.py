@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--heal-chat", type=int, default=None,
                     help="chat answers the dense model writes, mixed in (default: the product's, 40 for an Instruct model)")
     ap.add_argument("--heal-lr", type=float, default=None, help="heal's peak learning rate (default: the product's)")
+    ap.add_argument("--heal-seq", type=int, default=None, help="heal's tokens a sequence (default: the product's, 512)")
     ap.add_argument("--heal-memory", default="fast", choices=["fast", "lean"],
                     help="the heal's memory recipe (rows of another recipe are named ...-lean)")
     ap.add_argument("--calib", help="calibration text (default: the built-in corpus)")
@@ -88,6 +89,7 @@ def main() -> None:
     # what every row of the folder shares (a later invocation with --out must match it), and
     # each invocation's own methods, levels, budgets and commit
     protocol = {"heal_data": args.heal_data, "heal_chat": args.heal_chat, "heal_lr": args.heal_lr,
+                "heal_seq": args.heal_seq,
                 "calib": args.calib, "calib_windows": args.calib_windows,
                 "eval": str(test_file), "eval_windows": args.eval_windows, "c4": str(c4_file),
                 "zeroshot": {"tasks": TASKS, "limit": args.zeroshot_limit, "seed": args.zeroshot_seed},
@@ -138,7 +140,8 @@ def main() -> None:
                                     eval_windows=args.eval_windows),
                     ddp=DDPSettings(), quant="none",  # the 16-bit healed package (bench/quant.py quantizes)
                     heal=HealSettings(tokens=tokens, data=args.heal_data, chat=args.heal_chat, memory=args.heal_memory,
-                                                      **({"lr": args.heal_lr} if args.heal_lr else {})))
+                                                      **({"lr": args.heal_lr} if args.heal_lr else {}),
+                                                      **({"seq_len": args.heal_seq} if args.heal_seq else {})))
                 m = optimize(cfg, log=lambda *a: print(*a, flush=True))["manifest"]
                 model, _ = load.load_model(load.resolve(str(pkg)))
                 row = {"method": spec, "retain": retain, "heal_tokens": tokens, "heal_memory": args.heal_memory,
