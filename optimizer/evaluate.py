@@ -15,10 +15,12 @@ from tqdm import tqdm
 LOGIT_CHUNK = 256
 
 
-def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+def head_logits(model, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """The logits `model` gives for its last hidden states: the head, then the final softcapping
-    some configs add after it (Gemma 2: cap · tanh(logits / cap))."""
-    logits = model.get_output_embeddings()(hidden)
+    some configs add after it (Gemma 2: cap · tanh(logits / cap)). `weight`: the head's weight
+    already cast (a frozen head under autocast would be cast again at every call)."""
+    head = model.get_output_embeddings()
+    logits = head(hidden) if weight is None else F.linear(hidden, weight, head.bias)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     cap = getattr(cfg, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits

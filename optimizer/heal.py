@@ -94,6 +94,7 @@ class Distillation(TrainedMethod):
         if cfg.checkpointing and blocks is None:
             raise ValueError("activation checkpointing needs the student's blocks")
         self._unwrap = checkpoint_blocks(blocks) if cfg.checkpointing else None
+        self.heads = cast_heads(teacher, student, cfg.dtype)
         self.step_count = 0
         self.start_digest = digest(self.params)
         student.train(False)  # no dropout: the student is compared token for token with the teacher
@@ -112,7 +113,7 @@ class Distillation(TrainedMethod):
         input_ids = input_ids.to(next(self.student.parameters()).device)
         for seq in input_ids[rank::world].split(1):  # one sequence's activations at a time
             kd += kd_loss_backward(self.student, self.teacher, seq, self.cfg.kl_chunk, self.cfg.dtype,
-                                   scale=1 / len(input_ids)) / len(input_ids)
+                                   scale=1 / len(input_ids), heads=self.heads) / len(input_ids)
         if world > 1:
             kd = _sum_across_ranks(list(self.params.values()), kd)
         self.drop_zeros_grads()  # before clipping: the held zeros' gradients must not count in the norm
@@ -215,26 +216,41 @@ def _sum_across_ranks(params: list[torch.Tensor], kd: float) -> float:
     return float(flat[-1])
 
 
+def cast_heads(teacher, student, dtype: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The teacher's and the student's frozen head weights in bf16 for `kd_loss_backward`, cast once
+    for the whole heal: autocast casts a weight that needs no gradient again at every use, four
+    49152 × 576 copies a sequence on SmolLM2 (5% of a heal step). None where there is nothing to
+    cast (fp32 passes, a head that trains); a head already in bf16 is not copied."""
+    if dtype != "bfloat16":
+        return None, None
+    weights = (m.get_output_embeddings().weight for m in (teacher, student))
+    return tuple(None if w.requires_grad else w.detach().to(torch.bfloat16) for w in weights)
+
+
 def kd_loss_backward(student, teacher, input_ids: torch.Tensor, chunk: int, dtype: str = "float32",
-                     scale: float = 1.0) -> float:
+                     scale: float = 1.0, heads: tuple = (None, None)) -> float:
     """KL(teacher ‖ student) per token of `input_ids` [1, T], backpropagated (times `scale`) into
-    the student; the logits exist one chunk of `chunk` tokens at a time. Returns the mean KL."""
+    the student; the logits exist one chunk of `chunk` tokens at a time. `heads`: `cast_heads`'s.
+    Returns the mean KL."""
     autocast = torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     with torch.no_grad(), autocast:
-        t_hidden = teacher.get_decoder()(input_ids, use_cache=False).last_hidden_state
+        t_hidden = teacher.get_decoder()(input_ids, use_cache=False).last_hidden_state[0]
     with autocast:
         # no KV cache: it would hold every block's keys and values, and a block recomputed in the
         # backward pass (--heal-memory lean) would append to it a second time
-        s_hidden = student.get_decoder()(input_ids, use_cache=False).last_hidden_state
+        s_hidden = student.get_decoder()(input_ids, use_cache=False).last_hidden_state[0]
+    # The head takes [tokens, hidden]: given [1, tokens, hidden] that needs a gradient, torch's
+    # matmul copies the transposed head weight at every chunk instead of one matrix product (a
+    # 49152 × 576 copy; 15% of a heal step on SmolLM2).
     h = s_hidden.detach().requires_grad_(True)
     n, total = input_ids.numel(), 0.0
-    for i in range(0, input_ids.shape[1], chunk):
+    for i in range(0, h.shape[0], chunk):
         with torch.no_grad(), autocast:
-            t_logp = F.log_softmax(head_logits(teacher, t_hidden[:, i:i + chunk]).float(), dim=-1)
+            t_logp = F.log_softmax(head_logits(teacher, t_hidden[i:i + chunk], heads[0]).float(), dim=-1)
         with autocast:
-            s_logits = head_logits(student, h[:, i:i + chunk])
+            s_logits = head_logits(student, h[i:i + chunk], heads[1])
         s_logp = F.log_softmax(s_logits.float(), dim=-1)
-        kl = F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="sum") / n
+        kl = F.kl_div(s_logp, t_logp, log_target=True, reduction="sum") / n
         (kl * scale).backward()
         total += kl.item()
     s_hidden.backward(h.grad)
@@ -246,12 +262,12 @@ def kd_eval(student, teacher, windows: torch.Tensor, chunk: int = 256) -> float:
     """Mean KL(teacher ‖ student) per token over `windows`, without training."""
     total, n = 0.0, 0
     for w in windows.to(next(student.parameters()).device):
-        t_hidden = teacher.get_decoder()(w[None], use_cache=False).last_hidden_state
-        s_hidden = student.get_decoder()(w[None], use_cache=False).last_hidden_state
+        t_hidden = teacher.get_decoder()(w[None], use_cache=False).last_hidden_state[0]
+        s_hidden = student.get_decoder()(w[None], use_cache=False).last_hidden_state[0]
         for i in range(0, w.numel(), chunk):
-            t_logp = F.log_softmax(head_logits(teacher, t_hidden[:, i:i + chunk]).float(), -1)
-            s_logp = F.log_softmax(head_logits(student, s_hidden[:, i:i + chunk]).float(), -1)
-            total += F.kl_div(s_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="sum").item()
+            t_logp = F.log_softmax(head_logits(teacher, t_hidden[i:i + chunk]).float(), -1)
+            s_logp = F.log_softmax(head_logits(student, s_hidden[i:i + chunk]).float(), -1)
+            total += F.kl_div(s_logp, t_logp, log_target=True, reduction="sum").item()
         n += w.numel()
     return total / n
 

@@ -15,7 +15,7 @@ from optimizer import budget
 from optimizer.adapters import get_adapter
 from optimizer.config import HealSettings
 from optimizer.errors import UserError
-from optimizer.heal import Distillation, HealConfig, kd_eval, kd_loss_backward, zero_masks
+from optimizer.heal import Distillation, HealConfig, cast_heads, kd_eval, kd_loss_backward, zero_masks
 from optimizer.methods.activation import ActivationImportance
 from optimizer.sequential import prune_blockwise
 from optimizer.methods.magnitude import Magnitude
@@ -55,6 +55,24 @@ def test_the_chunked_kl_is_the_kl_and_its_gradient(family):
     assert kl == pytest.approx(whole.item(), rel=1e-5)
     for n, g in chunked.items():
         torch.testing.assert_close(g, dict(student.named_parameters())[n].grad, atol=1e-6, rtol=1e-4)
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_heads_cast_once_give_the_bf16_kl_and_gradient_autocast_gives(family):
+    teacher = tiny_model(family)
+    student = _pruned(teacher)
+    ids = _data(teacher, 1, 40)
+    distil = Distillation(student, teacher, HealConfig(steps=1, dtype="bfloat16"))
+    assert all(w is not None and w.dtype == torch.bfloat16 for w in distil.heads)  # both heads frozen
+    grads = []
+    for heads in ((None, None), distil.heads):
+        student.zero_grad()
+        kl = kd_loss_backward(student, teacher, ids, chunk=7, dtype="bfloat16", heads=heads)
+        grads.append((kl, {n: p.grad.clone() for n, p in distil.params.items()}))
+    assert grads[0][0] == grads[1][0]
+    for n, g in grads[0][1].items():
+        assert torch.equal(g, grads[1][1][n]), n
+    assert cast_heads(teacher, student, "float32") == (None, None)
+
 
 
 def test_a_steps_kd_is_the_batchs_mean_kl():
