@@ -218,8 +218,8 @@ def _sum_across_ranks(params: list[torch.Tensor], kd: float) -> float:
 
 def cast_heads(teacher, student, dtype: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The teacher's and the student's frozen head weights in bf16 for `kd_loss_backward`, cast once
-    for the whole heal: autocast casts a weight that needs no gradient again at every use, four
-    49152 × 576 copies a sequence on SmolLM2 (5% of a heal step). None where there is nothing to
+    for the whole heal: autocast casts a weight that needs no gradient again at every use
+    (bench/results/heal-step/2026-12-06-2bea962). None where there is nothing to
     cast (fp32 passes, a head that trains); a head already in bf16 is not copied."""
     if dtype != "bfloat16":
         return None, None
@@ -240,8 +240,8 @@ def kd_loss_backward(student, teacher, input_ids: torch.Tensor, chunk: int, dtyp
         # backward pass (--heal-memory lean) would append to it a second time
         s_hidden = student.get_decoder()(input_ids, use_cache=False).last_hidden_state[0]
     # The head takes [tokens, hidden]: given [1, tokens, hidden] that needs a gradient, torch's
-    # matmul copies the transposed head weight at every chunk instead of one matrix product (a
-    # 49152 × 576 copy; 15% of a heal step on SmolLM2).
+    # matmul under autocast copies the transposed head weight at every chunk instead of folding the
+    # tokens into one matrix product.
     h = s_hidden.detach().requires_grad_(True)
     n, total = input_ids.numel(), 0.0
     for i in range(0, h.shape[0], chunk):
