@@ -86,28 +86,6 @@ def builtin_heal_samples() -> dict[str, str]:
     return {name: split_sample(path.read_text(encoding="utf-8"))[0] for name, path in paths.items()}
 
 
-def with_heal_samples(tokenizer, wiki: torch.Tensor, n: int) -> tuple[torch.Tensor, str]:
-    """`n` windows for the one-shot statistics from the built-in corpus: half of them the first
-    windows of `wiki` (the Wikipedia half's), half the first windows of HEAL_SAMPLES' first 90% in
-    equal shares, alternating; and what was mixed in ('' where nothing was: fewer than 8 windows,
-    or the samples absent). Their last 10% stay unread, as bench/heal_select.py holds them out."""
-    samples = builtin_heal_samples()
-    each = n // (2 * len(HEAL_SAMPLES))
-    if not samples or each == 0:
-        return wiki[:n], ""
-    others = []
-    for text in samples.values():
-        try:
-            others.append(token_windows(tokenizer, text, wiki.shape[1], each))
-        except UserError:  # shorter than one window
-            pass
-    others = [w for i in range(each) for sample in others for w in sample[i:i + 1]]  # tiny, technical, ..., tiny, ...
-    wiki = list(wiki[: n - len(others)])
-    mixed = [w for pair in zip(wiki, others) for w in pair] + wiki[len(others):] + others[len(wiki):]
-    kinds = " / ".join(n.removesuffix(".utf8") for n in samples)
-    return torch.stack(mixed), f"{len(others)} of its {len(mixed)} windows from the first 90% of exllamav2's {kinds} samples"
-
-
 def self_generated_text(model, tokenizer, n_tokens: int, seed: int) -> Text:
     """Sample text from the model itself, from a handful of neutral prompts."""
     prompts = ["The history of", "In mathematics,", "The city is known for", "Scientists have found",

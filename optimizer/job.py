@@ -79,8 +79,6 @@ class Calibration:
     text: data.Text
     train: torch.Tensor       # [windows, seq_len]: what methods observe and train on
     held_out: torch.Tensor    # [1, seq_len]: the last window, for shape choice and checks
-    statistics: torch.Tensor  # [--calib-windows, seq_len]: what the structured one-shot importance and refit read
-    statistics_source: str    # what they are
 
 
 @dataclass
@@ -175,13 +173,7 @@ class Job:
         windows = data.token_windows(self.tok, text.text, d.seq_len)
         train, held_out = (windows[:-1], windows[-1:]) if len(windows) > 1 else (windows, windows)
         self.log(f"calibration: {text.description}, {train.numel()} tokens available")
-        statistics, source = train[: d.calib_windows], text.description
-        if text.builtin:  # Wikipedia alone prunes for Wikipedia: the heal text's other kinds join it
-            statistics, kinds = data.with_heal_samples(self.tok, statistics, d.calib_windows)
-            if kinds:
-                source += f", with {kinds}"
-                self.log(f"one-shot statistics: {source}")
-        self.calib = Calibration(text, train, held_out, statistics, source)
+        self.calib = Calibration(text, train, held_out)
         return self.calib
 
     def evaluate_dense(self) -> None:
@@ -251,7 +243,6 @@ class Job:
         `run`, everything else that changes what training learns."""
         key = hashlib.sha256(json.dumps([load.fingerprint(self.source.hf_dir),
                                          hashlib.sha256(self.calib.text.text.encode()).hexdigest(),
-                                         hashlib.sha256(self.calib.statistics.numpy().tobytes()).hexdigest(),
                                          self.cfg.data.seq_len, run], default=str).encode()).hexdigest()[:16]
         return load.cache_dir() / "runs" / f"{kind}-{key}.pt"
 

@@ -52,7 +52,7 @@ class Structured:
             method, detail, refit_stats = observe_activation(job)
         else:
             method, detail, refit_stats = train_ddp(job, costs)
-        detail["calibration"] = {"source": calib.statistics_source, "tokens": detail.pop("tokens")}
+        detail["calibration"] = {"source": calib.text.description, "tokens": detail.pop("tokens")}
         if cfg.layout == "per-layer":
             # DDP's natural result: the units with z > 0, binarised to meet the budget (widths multiples the kernels take);
             # every block keeps its own shape.
@@ -152,7 +152,7 @@ def observe_activation(job: Job):
     statistics (with --refit). Returns (importance, detail, refit statistics or None)."""
     importance = ActivationImportance(job.model, job.adapter)
     # At retention 1 every unit stays whatever the scores, so there is nothing to observe.
-    stats = job.calib.statistics if job.cfg.retain < 1 else job.calib.statistics[:0]
+    stats = job.calib.train[: job.cfg.data.calib_windows] if job.cfg.retain < 1 else job.calib.train[:0]
     grams = None
     if job.cfg.refit is not None and len(stats):
         need, room = RefitStatistics.bytes_needed(job.model, job.adapter), available_memory() // 4
