@@ -11,7 +11,8 @@ package, one after the other, into one folder (`--name` tells them apart):
     python bench/heal_step.py --table --out F
 
 Writes NAME.json into a run folder (benchlib.run_dir, default bench/results/heal-step/DATE-COMMIT);
-the `optimizer` package's own commit is recorded beside the script's.
+the `optimizer` package's own commit is recorded beside the script's, and digests of the student's weights
+before and after the steps.
 """
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ def main() -> None:
     ap.add_argument("--out", help="run folder (default: a new bench/results/heal-step/DATE-COMMIT)")
     ap.add_argument("--table", action="store_true", help="only write steps.md from the folder's JSON files")
     a = ap.parse_args()
+    if a.table and not a.out:
+        ap.error("--table needs the --out folder to tabulate")
+    if not a.table and not a.name:
+        ap.error("a name is needed (or --table)")
     out = benchlib.run_dir("heal-step", a.out)
     if a.table:
         benchlib.write_markdown(out / "steps.md", markdown(out))
         print((out / "steps.md").read_text())
         return
-    if not a.name:
-        ap.error("a name is needed (or --table)")
     path = benchlib.new_file(out / f"{a.name}.json")
 
     import torch
@@ -58,7 +61,12 @@ def main() -> None:
     torch.manual_seed(0)
     teacher, tok = load.load_model(load.resolve(None))
     student, _ = load.load_model(load.resolve(a.student))
+    student_digest = hashlib.sha256(b"".join(p.detach().float().numpy().tobytes()
+                                             for p in student.parameters())).hexdigest()[:16]
     train = data.token_windows(tok, data.builtin_text("calib").text, a.seq)[: a.warmup + a.steps]
+    if len(train) < a.warmup + a.steps or a.steps < 1:
+        raise SystemExit(f"error: the built-in text has {len(train)} sequences of {a.seq} tokens; "
+                         f"--warmup {a.warmup} + --steps {a.steps} (at least 1) needs that many")
     dtype = str(calibration_dtype(a.dtype)).removeprefix("torch.")
     distil = Distillation(student, teacher, HealConfig(steps=a.warmup + a.steps, dtype=dtype))
     seconds, kd = [], []
@@ -74,7 +82,9 @@ def main() -> None:
                             capture_output=True, text=True).stdout.strip() or None
     dirty = bool(subprocess.run(["git", "-C", str(package), "status", "--porcelain", "--", "optimizer"],
                                 capture_output=True, text=True).stdout.strip())
-    result = {"args": vars(a), "dtype": dtype, "optimizer_package": {"path": str(package), "commit": commit,
+    result = {"args": vars(a), "dtype": dtype, "torch": torch.__version__,
+              "student_digest": student_digest,
+              "optimizer_package": {"path": str(package), "commit": commit,
                                                                        "dirty": dirty},
               "cpu": cpu_name(), "fast_bf16": fast_bf16(),
               "step_s": seconds, "step_s_median": statistics.median(seconds),

@@ -232,6 +232,8 @@ def kd_loss_backward(student, teacher, input_ids: torch.Tensor, chunk: int, dtyp
     """KL(teacher ‖ student) per token of `input_ids` [1, T], backpropagated (times `scale`) into
     the student; the logits exist one chunk of `chunk` tokens at a time. `heads`: `cast_heads`'s.
     Returns the mean KL."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"kd_loss_backward takes one sequence [1, T], not {list(input_ids.shape)}")
     autocast = torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     with torch.no_grad(), autocast:
         t_hidden = teacher.get_decoder()(input_ids, use_cache=False).last_hidden_state[0]

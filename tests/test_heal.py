@@ -72,6 +72,12 @@ def test_heads_cast_once_give_the_bf16_kl_and_gradient_autocast_gives(family):
     for n, g in grads[0][1].items():
         assert torch.equal(g, grads[1][1][n]), n
     assert cast_heads(teacher, student, "float32") == (None, None)
+    student.get_output_embeddings().weight.requires_grad_(True)  # a head that trains is left to autocast
+    assert cast_heads(teacher, student, "bfloat16")[1] is None
+    teacher.to(torch.bfloat16)  # the lean recipe's teacher: its head is used as it is, not copied
+    assert cast_heads(teacher, student, "bfloat16")[0].data_ptr() == teacher.get_output_embeddings().weight.data_ptr()
+    with pytest.raises(ValueError, match="one sequence"):
+        kd_loss_backward(student, teacher, _data(teacher, 2, 8), chunk=7)
 
 
 
