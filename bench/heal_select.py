@@ -48,7 +48,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--data", default="wiki", choices=["wiki", "mix"])
+    ap.add_argument("--data", default="wiki", choices=["wiki", "mix", "prose"],
+                    help="wiki: the Wikipedia half; mix: and the four samples' first 90% (the product's default); "
+                         "prose: and only the tiny and technical samples' (no code, no other languages)")
     ap.add_argument("--heldout-seq", type=int, default=2048, choices=[1024, 2048],
                     help="tokens a held-out window (2048 tokens of each text either way, not always the same ones)")
     ap.add_argument("--teacher-text", type=int, default=0, metavar="PROMPT_TOKENS",
@@ -85,7 +87,7 @@ def main() -> None:
     for name in data.HEAL_SAMPLES:  # the product's default heal reads their first 90% (split_sample's)
         first, rest = data.split_sample(data.builtin_sample(name).read_text())
         held[name] = data.token_windows(tok, rest, a.heldout_seq)[:n_held]
-        if a.data == "mix":
+        if a.data == "mix" or (a.data == "prose" and name in ("tiny.utf8", "technical.utf8")):
             train.append(data.token_windows(tok, first, a.seq))
     train = torch.cat(train)
     cfg = HealConfig(steps=a.steps, lr=a.lr, lr_end=a.lr / 10 if a.lr_end is None else a.lr_end,
