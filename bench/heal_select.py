@@ -3,7 +3,7 @@
 One unhealed student (a package written by `optimize --method activation --retain 0.7
 --no-heal`), healed per variant for --steps steps of --batch × --seq tokens of the built-in
 corpus's calibration half (Wikipedia; with --data mix also the first 90% of exllamav2's tiny /
-technical / code / multilingual samples), once for each of --seeds, an order of those sequences:
+technical / code / multilingual samples; with --data prose only the tiny and technical ones), once for each of --seeds, an order of those sequences:
 the same setting scatters across orders by 0.03-0.04 (sd) on the mean held-out KL
 (bench/results/heal-select/2026-12-06-796420d-heads), so a variant is the mean of three by
 default (one, seed 0, until 2026-12-06). Each variant is scored on what the reported figures
@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--data", default="wiki", choices=["wiki", "mix", "prose"],
-                    help="wiki: the Wikipedia half; mix: and the four samples' first 90% (the product's default); "
+                    help="wiki: the Wikipedia half; mix: and the four samples' first 90% (the product's default text, "
+                         "without its chat answers); "
                          "prose: and only the tiny and technical samples' (no code, no other languages)")
     ap.add_argument("--heldout-seq", type=int, default=2048, choices=[1024, 2048],
                     help="tokens a held-out window (2048 tokens of each text either way, not always the same ones)")
