@@ -11,17 +11,16 @@ package, one after the other, into one folder (`--name` tells them apart):
     python bench/heal_step.py --table --out F
 
 Writes NAME.json into a run folder (benchlib.run_dir, default bench/results/heal-step/DATE-COMMIT);
-the `optimizer` package's own commit is recorded beside the script's, and digests of the student's weights
-before and after the steps.
+the `optimizer` package's own commit is recorded beside the script's, and `heal.digest` of the trained
+weights before and after the steps (until 2026-12-06 the after-digest hashed their bytes alone, without their names:
+compare digests within one version of this script).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -55,14 +54,12 @@ def main() -> None:
 
     import optimizer
     from optimizer import data, load
-    from optimizer.heal import Distillation, HealConfig
+    from optimizer.heal import Distillation, HealConfig, digest
     from optimizer.sequential import calibration_dtype, fast_bf16
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     teacher, tok = load.load_model(load.resolve(None))
     student, _ = load.load_model(load.resolve(a.student))
-    student_digest = hashlib.sha256(b"".join(p.detach().float().numpy().tobytes()
-                                             for p in student.parameters())).hexdigest()[:16]
     train = data.token_windows(tok, data.builtin_text("calib").text, a.seq)[: a.warmup + a.steps]
     if len(train) < a.warmup + a.steps or a.steps < 1:
         raise SystemExit(f"error: the built-in text has {len(train)} sequences of {a.seq} tokens; "
@@ -76,20 +73,16 @@ def main() -> None:
         if i >= a.warmup:
             seconds.append(time.perf_counter() - started)
         print(f"step {i}: kd {kd[-1]:.5f}, {time.perf_counter() - started:.3f} s", flush=True)
-    weights = hashlib.sha256(b"".join(p.detach().float().numpy().tobytes() for p in distil.params.values()))
     package = Path(optimizer.__file__).resolve().parent.parent
-    commit = subprocess.run(["git", "-C", str(package), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip() or None
-    dirty = bool(subprocess.run(["git", "-C", str(package), "status", "--porcelain", "--", "optimizer"],
-                                capture_output=True, text=True).stdout.strip())
+    commit = benchlib._git("-C", str(package), "rev-parse", "--short", "HEAD")
+    dirty = bool(benchlib._git("-C", str(package), "status", "--porcelain", "--", "optimizer"))
     result = {"args": vars(a), "dtype": dtype, "torch": torch.__version__,
-              "student_digest": student_digest,
-              "optimizer_package": {"path": str(package), "commit": commit,
-                                                                       "dirty": dirty},
+              "student_digest": distil.start_digest,  # the trained weights before the first step
+              "optimizer_package": {"path": str(package), "commit": commit, "dirty": dirty},
               "cpu": cpu_name(), "fast_bf16": fast_bf16(),
               "step_s": seconds, "step_s_median": statistics.median(seconds),
               "tokens_per_s": round(a.seq / statistics.median(seconds), 1), "kd": kd,
-              "weights_digest": weights.hexdigest()[:16], **benchlib.run_info()}
+              "weights_digest": digest(distil.params), **benchlib.run_info()}
     benchlib.write_result(path, result)
     print(json.dumps({k: result[k] for k in ("step_s_median", "tokens_per_s", "weights_digest")}, indent=1))
 

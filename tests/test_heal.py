@@ -56,6 +56,7 @@ def test_the_chunked_kl_is_the_kl_and_its_gradient(family):
     for n, g in chunked.items():
         torch.testing.assert_close(g, dict(student.named_parameters())[n].grad, atol=1e-6, rtol=1e-4)
 
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_heads_cast_once_give_the_bf16_kl_and_gradient_autocast_gives(family):
     teacher = tiny_model(family)
@@ -78,7 +79,6 @@ def test_heads_cast_once_give_the_bf16_kl_and_gradient_autocast_gives(family):
     assert cast_heads(teacher, student, "bfloat16")[0].data_ptr() == teacher.get_output_embeddings().weight.data_ptr()
     with pytest.raises(ValueError, match="one sequence"):
         kd_loss_backward(student, teacher, _data(teacher, 2, 8), chunk=7)
-
 
 
 def test_a_steps_kd_is_the_batchs_mean_kl():
