@@ -250,8 +250,9 @@ class Job:
               postfix: Callable[[dict], dict], max_time_s: float | None = None) -> dict:
         """Step a `TrainedMethod` to `steps`, `batch` chunks a step in a seeded order (resumable),
         checkpointing every CHECKPOINT_EVERY_S seconds and at the end; --resume continues from the
-        checkpoint; `max_time_s` stops it early (checkpointed). Returns the last step's stats,
-        where it resumed from, and the wall time."""
+        checkpoint; `max_time_s` stops it early (checkpointed). SIGTERM or Ctrl-C stops it after the
+        step under way, checkpointed too (`StopAfterStep`). Returns the last step's stats, where it
+        resumed from, and the wall time."""
         resumed = self.cfg.resume and method.load(ckpt)
         distributed.same_on_every_rank(method.step_count, "resumed at step")  # else the ranks' steps part ways
         if self.cfg.resume and not resumed:
@@ -260,19 +261,34 @@ class Job:
         saved = started
         main = distributed.is_main()  # the one process that writes checkpoints and shows progress
         bar = tqdm(total=steps, initial=method.step_count, desc=desc, unit="step", disable=not main)
-        while method.step_count < steps:
-            stop_if_terminated()
-            stats = method.step(chunks[batch_indices(len(chunks), batch, method.step_count, self.cfg.seed)])
-            bar.set_postfix(**postfix(stats))
-            bar.update(1)
-            out_of_time = max_time_s is not None and distributed.all_agree(time.time() - started >= max_time_s)
-            if main and (time.time() - saved >= CHECKPOINT_EVERY_S or method.step_count == steps or out_of_time):
-                method.save(ckpt)
-                saved = time.time()
-            if out_of_time:
-                self.log(f"{desc}: stopped by the time cap after {method.step_count} of {steps} steps")
-                break
-        bar.close()
+        try:
+            with StopAfterStep() as stop:
+                while True:
+                    if distributed.all_agree(stop.signal is not None):  # every rank stops at the same step
+                        if main and method.step_count > start_step:  # else the checkpoint it resumed holds this
+                            method.save(ckpt)
+                        bar.close()
+                        self.log(f"{desc}: stopped by {stop.name()} " + (
+                            f"after step {method.step_count} of {steps}, checkpointed: the same command with "
+                            "--resume continues from there" if method.step_count > 0 else "before its first step"))
+                        stop.reraise()
+                    if method.step_count >= steps:
+                        break
+                    stop_if_terminated()
+                    stats = method.step(chunks[batch_indices(len(chunks), batch, method.step_count, self.cfg.seed)])
+                    bar.set_postfix(**postfix(stats))
+                    bar.update(1)
+                    out_of_time = max_time_s is not None and distributed.all_agree(time.time() - started >= max_time_s)
+                    if main and (time.time() - saved >= CHECKPOINT_EVERY_S or method.step_count == steps or out_of_time):
+                        method.save(ckpt)
+                        saved = time.time()
+                    if out_of_time:
+                        self.log(f"{desc}: stopped by the time cap after {method.step_count} of {steps} steps")
+                        break
+            if stop.signal is not None:  # it came during the last step or its checkpoint: saved already
+                stop.reraise()
+        finally:
+            bar.close()
         stop_if_terminated()
         return {"final": stats, "resumed_from_step": start_step, "wall_s": round(time.time() - started, 1),
                 "checkpoint": str(ckpt)}
@@ -445,6 +461,42 @@ def _terminated(signum, frame):
     global _termination_requested
     _termination_requested = True
     raise Terminated()
+
+
+class StopAfterStep:
+    """While training: the first SIGTERM or Ctrl-C only sets `signal`, so the step under way ends
+    and `Job.train` checkpoints whole steps before it stops (--resume then continues the same run);
+    a second one stops at once. A SIGKILL while the checkpoint is written leaves the previous one
+    (`TrainedMethod.save` is atomic). Outside the main thread (where Python delivers signals) it
+    changes nothing."""
+
+    def __init__(self):
+        self.signal, self.previous = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+    def _handle(self, signum, frame):
+        global _termination_requested
+        if signum == signal.SIGTERM:
+            _termination_requested = True  # `Job.run` checks it again before the package goes into place
+        if self.signal is not None:
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        self.signal = signum
+
+    def name(self) -> str:
+        return "Ctrl-C" if self.signal == signal.SIGINT else "SIGTERM"
+
+    def reraise(self):
+        """The signal's exception (another rank's signal: Terminated), for the usual cleanup."""
+        raise KeyboardInterrupt() if self.signal == signal.SIGINT else Terminated()
 
 
 def stop_if_terminated() -> None:

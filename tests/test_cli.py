@@ -273,6 +273,71 @@ def test_a_sigterm_something_swallowed_still_stops_the_job(tmp_path):
         job.stop_if_terminated()  # the next job starts without the old request
 
 
+class _SignalledMethod:
+    """A TrainedMethod stand-in whose step `at` sends itself `signals` (os.kill) mid-step."""
+
+    def __init__(self, at: int, signals: list[int]):
+        self.step_count, self.at, self.signals, self.saved = 0, at, signals, []
+
+    def load(self, ckpt):
+        return False
+
+    def save(self, ckpt):
+        self.saved.append(self.step_count)
+
+    def step(self, batch):
+        import os
+        if self.step_count == self.at:
+            for sig in self.signals:
+                os.kill(os.getpid(), sig)
+        x = sum(range(1000))  # bytecodes after the signal: the handler has run by the step's end
+        self.step_count += 1
+        return {"x": x}
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_mid_training_ends_the_step_checkpoints_it_and_stops(tmp_path, sig):
+    """SIGTERM or Ctrl-C during a step lets that step finish, writes the checkpoint (whole steps, so
+    --resume continues the same run) and then unwinds as before; the handlers are put back."""
+    import signal
+    from types import SimpleNamespace
+
+    import torch
+
+    from optimizer import job
+    from optimizer.errors import Terminated
+    signum = getattr(signal, sig)
+    logged = []
+    fake_job = SimpleNamespace(cfg=SimpleNamespace(resume=False, seed=0), log=logged.append)
+    method = _SignalledMethod(at=2, signals=[signum])
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with pytest.raises(Terminated if sig == "SIGTERM" else KeyboardInterrupt):
+        job.Job.train(fake_job, method, torch.zeros(4, 8, dtype=torch.long), steps=100, batch=1,
+                      ckpt=tmp_path / "ckpt", desc="healing", postfix=lambda stats: {})
+    assert method.step_count == 3 and method.saved == [3]  # the signalled step finished, then its checkpoint
+    assert logged[-1] == (f"healing: stopped by {'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'} after step 3 of 100, "
+                          "checkpointed: the same command with --resume continues from there")
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    job._termination_requested = False  # outside `staged`, nothing else resets it
+
+
+def test_a_second_signal_stops_training_at_once(tmp_path):
+    import signal
+    from types import SimpleNamespace
+
+    import torch
+
+    from optimizer import job
+    from optimizer.errors import Terminated
+    fake_job = SimpleNamespace(cfg=SimpleNamespace(resume=False, seed=0), log=print)
+    method = _SignalledMethod(at=1, signals=[signal.SIGTERM, signal.SIGTERM])
+    with pytest.raises(Terminated):
+        job.Job.train(fake_job, method, torch.zeros(4, 8, dtype=torch.long), steps=100, batch=1,
+                      ckpt=tmp_path / "ckpt", desc="healing", postfix=lambda stats: {})
+    assert method.step_count == 1 and method.saved == []  # not a whole step: no checkpoint of it
+    job._termination_requested = False
+
+
 def test_a_killed_runs_temporary_directory_is_swept_at_the_next_start(tmp_path):
     """SIGKILL cannot be trapped: the next run beside it removes what the dead process left."""
     import subprocess
