@@ -290,6 +290,9 @@ class Job:
         finally:
             bar.close()
         stop_if_terminated()
+        if main and ckpt.is_file():  # a heal of an 8B model leaves tens of GB here: say so
+            self.log(f"{desc}: checkpoint {ckpt} ({ckpt.stat().st_size / 2**30:.2f} GiB) kept for --resume; "
+                     f"delete {ckpt.parent} to reclaim the space")
         return {"final": stats, "resumed_from_step": start_step, "wall_s": round(time.time() - started, 1),
                 "checkpoint": str(ckpt)}
 
