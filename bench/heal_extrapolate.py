@@ -4,11 +4,14 @@ Reads finished `bench/heal.py` runs (nothing is trained or evaluated here) and p
 default 0.7 job at several heal budgets on one axis, log2(heal tokens):
 
 - for WikiText-2 and c4, the perplexity ratio to dense bought by each doubling between measured budgets,
-  and a least-squares line through the healed points: if every doubling kept buying what the line says
-  (the measured drops shrink, so this is the optimistic reading), the tokens at which the line reaches
-  1.4× and 1.2× dense;
-- for the zero-shot mean, the line's slope a doubling with its standard error, the tokens at which it
-  reaches 0.46 and 0.50, and each point's standard error (500 documents a task, three tasks).
+  and a least-squares line through the healed points: if every doubling kept buying what the line says,
+  the tokens at which the line reaches 1.4× and 1.2× dense (the older heal text's run to ten times the
+  default dropped half as much a doubling as the default text's to four times: the line is likely the
+  optimistic reading);
+- for the zero-shot mean, the line's slope a doubling with two standard errors (the points' scatter
+  about the line; each point's own sampling error carried through the fit, as if the points were
+  independent, though they score the same documents), the tokens at which it reaches 0.46 and 0.50, and
+  each point's standard error (500 documents a task, three tasks).
 
     python bench/heal_extrapolate.py            # the series below, into a new bench/results/heal/DATE-COMMIT-extrapolation
 
@@ -39,7 +42,7 @@ SERIES = [
         ("2026-12-04-846dfb1", "activation-r0.70-h368640"),
     ]),
 ]
-DEFAULT_TOKENS = 36_864  # optimizer/config.py's default budget, sized for 15 minutes on the slowest CPU class
+DEFAULT_TOKENS = 36_864  # optimizer/config.py's default budget: the job in 15 minutes on the Xeon without native bf16
 TARGETS = (1.4, 1.2)     # WikiText-2 × dense: the default budget's target, the 1-hour budget's
 ZEROSHOT_TARGETS = (0.46, 0.50)  # the zero-shot mean: the same two budgets' targets
 DOCS_PER_TASK = 500
@@ -63,10 +66,10 @@ def zeroshot_se(tasks: dict[str, float]) -> float:
 
 
 def analyse(name: str, points: list[tuple[str, str]]) -> dict:
-    rows = []
+    rows, dense = [], None
     for folder, key in points:
         data = json.loads((HEAL / folder / "heal.json").read_text())
-        run, dense = data["runs"][key], data["dense"]
+        run, dense = data["runs"][key], dense or data["dense"]  # one dense model: the first file's figures
         rows.append({"source": f"heal/{folder}", "run": key, "heal_tokens": run["heal_tokens"],
                      "wikitext2_x": run["wikitext2"] / dense["wikitext2"], "c4_x": run["c4"] / dense["c4"],
                      "zeroshot": run["zeroshot"]["mean"], "zeroshot_se": zeroshot_se(run["zeroshot"]["tasks"])})
@@ -83,7 +86,9 @@ def analyse(name: str, points: list[tuple[str, str]]) -> dict:
             # a + b log2(t) = target; b < 0 (the ratio falls)
             out[metric]["tokens_to_reach"] = {str(t): (2 ** ((t - a) / b) if b < 0 else None) for t in TARGETS}
     a, b, se = line(xs, [r["zeroshot"] for r in healed])
-    out["zeroshot"] = {"line_gain_per_doubling": b, "line_gain_se": se,
+    sxx = sum((x - sum(xs) / len(xs)) ** 2 for x in xs)
+    sampling = sum(r["zeroshot_se"] for r in healed) / len(healed) / math.sqrt(sxx)
+    out["zeroshot"] = {"line_gain_per_doubling": b, "line_gain_se": se, "line_gain_se_sampling": sampling,
                        "tokens_to_reach": {str(t): (2 ** ((t - a) / b) if b > 0 else None) for t in ZEROSHOT_TARGETS}}
     return out
 
@@ -110,7 +115,8 @@ def markdown(result: dict) -> str:
             f"{t}× at {reach[t]:,.0f} tokens ({reach[t] / DEFAULT_TOKENS:.0f}× the default's {DEFAULT_TOKENS:,})"
             if reach[t] else f"{t}×: never" for t in reach) + ". Zero-shot: "
             f"{zs['line_gain_per_doubling']:+.4f} a doubling"
-            + (f" ± {zs['line_gain_se']:.4f}" if zs["line_gain_se"] is not None else " (two points, no error)")
+            + (f" ± {zs['line_gain_se']:.4f} (scatter about the line)" if zs["line_gain_se"] is not None else "")
+            + f", ± {zs['line_gain_se_sampling']:.4f} (the points' sampling error)"
             + "; at that rate " + ", ".join(f"{t} at {n:.1e} tokens" if n else f"{t}: never"
                                             for t, n in zs["tokens_to_reach"].items()) + ".\n")
     return "\n".join(parts)

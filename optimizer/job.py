@@ -258,41 +258,45 @@ class Job:
         if self.cfg.resume and not resumed:
             self.log(f"--resume: no checkpoint of this exact run at {ckpt}; starting from step 0")
         start_step, started, stats = method.step_count, time.time(), {}
-        saved = started
+        saved, saved_step = started, start_step  # the checkpoint it resumed (if any) holds start_step
         main = distributed.is_main()  # the one process that writes checkpoints and shows progress
+
+        def save() -> None:
+            nonlocal saved, saved_step
+            if main and method.step_count != saved_step:  # never the same step twice (tens of GB at 8B)
+                method.save(ckpt)
+            saved, saved_step = time.time(), method.step_count
+
         bar = tqdm(total=steps, initial=method.step_count, desc=desc, unit="step", disable=not main)
         try:
             with StopAfterStep() as stop:
-                while True:
-                    if distributed.all_agree(stop.signal is not None):  # every rank stops at the same step
-                        if main and method.step_count > start_step:  # else the checkpoint it resumed holds this
-                            method.save(ckpt)
-                        bar.close()
-                        self.log(f"{desc}: stopped by {stop.name()} " + (
-                            f"after step {method.step_count} of {steps}, checkpointed: the same command with "
-                            "--resume continues from there" if method.step_count > 0 else "before its first step"))
-                        stop.reraise()
-                    if method.step_count >= steps:
-                        break
+                while method.step_count < steps and not distributed.all_agree(stop.signal is not None):
                     stop_if_terminated()
                     stats = method.step(chunks[batch_indices(len(chunks), batch, method.step_count, self.cfg.seed)])
                     bar.set_postfix(**postfix(stats))
                     bar.update(1)
                     out_of_time = max_time_s is not None and distributed.all_agree(time.time() - started >= max_time_s)
-                    if main and (time.time() - saved >= CHECKPOINT_EVERY_S or method.step_count == steps or out_of_time):
-                        method.save(ckpt)
-                        saved = time.time()
+                    if time.time() - saved >= CHECKPOINT_EVERY_S or method.step_count == steps or out_of_time:
+                        save()
                     if out_of_time:
                         self.log(f"{desc}: stopped by the time cap after {method.step_count} of {steps} steps")
                         break
-            if stop.signal is not None:  # it came during the last step or its checkpoint: saved already
+                # a signal during the loop, or after its last check (every rank asks, so all stop alike)
+                if distributed.all_agree(stop.signal is not None):
+                    save()
+                    bar.close()
+                    self.log(f"{desc}: stopped by {stop.name()} " + (
+                        f"after step {method.step_count} of {steps}, checkpointed: the same command with "
+                        "--resume continues from there" if method.step_count > 0 else "before its first step"))
+                    stop.reraise()
+            if stop.signal is not None:  # after the last check: the last step is checkpointed already
                 stop.reraise()
         finally:
             bar.close()
         stop_if_terminated()
         if main and ckpt.is_file():  # a heal of an 8B model leaves tens of GB here: say so
             self.log(f"{desc}: checkpoint {ckpt} ({ckpt.stat().st_size / 2**30:.2f} GiB) kept for --resume; "
-                     f"delete {ckpt.parent} to reclaim the space")
+                     "delete the file to reclaim the space")
         return {"final": stats, "resumed_from_step": start_step, "wall_s": round(time.time() - started, 1),
                 "checkpoint": str(ckpt)}
 
@@ -467,11 +471,14 @@ def _terminated(signum, frame):
 
 
 class StopAfterStep:
-    """While training: the first SIGTERM or Ctrl-C only sets `signal`, so the step under way ends
-    and `Job.train` checkpoints whole steps before it stops (--resume then continues the same run);
-    a second one stops at once. A SIGKILL while the checkpoint is written leaves the previous one
-    (`TrainedMethod.save` is atomic). Outside the main thread (where Python delivers signals) it
-    changes nothing."""
+    """While training: the first SIGTERM or Ctrl-C only sets `signal` (and says so on stderr), so
+    the step under way ends and `Job.train` checkpoints whole steps before it stops (--resume then
+    continues the same run); a second one stops at once. A SIGKILL while the checkpoint is written
+    leaves the previous one (`TrainedMethod.save` is atomic). A signal the process ignores (SIGINT
+    in a job started with `&`) stays ignored; outside the main thread, where Python delivers no
+    signals, nothing changes."""
+
+    DEFAULT = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
 
     def __init__(self):
         self.signal, self.previous = None, {}
@@ -479,27 +486,34 @@ class StopAfterStep:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+            signal.signal(sig, handler if handler is not None else self.DEFAULT[sig])
 
     def _handle(self, signum, frame):
-        global _termination_requested
-        if signum == signal.SIGTERM:
-            _termination_requested = True  # `Job.run` checks it again before the package goes into place
         if self.signal is not None:
-            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+            self.signal = signum
+            self.reraise()
         self.signal = signum
+        # os.write, not print: a handler can run inside another write to stderr
+        again = "press it again" if signum == signal.SIGINT else "send it again"
+        os.write(2, f"\n{self.name()}: stopping after this training step, with a checkpoint ({again} to stop at "
+                    "once)\n".encode())
 
     def name(self) -> str:
         return "Ctrl-C" if self.signal == signal.SIGINT else "SIGTERM"
 
     def reraise(self):
         """The signal's exception (another rank's signal: Terminated), for the usual cleanup."""
-        raise KeyboardInterrupt() if self.signal == signal.SIGINT else Terminated()
+        global _termination_requested
+        if self.signal == signal.SIGINT:
+            raise KeyboardInterrupt()
+        _termination_requested = True  # `Job.run` checks it again before the package goes into place
+        raise Terminated()
 
 
 def stop_if_terminated() -> None:

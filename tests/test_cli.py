@@ -295,47 +295,73 @@ class _SignalledMethod:
         return {"x": x}
 
 
+def _train(method, tmp_path, steps=100, log=print):
+    from types import SimpleNamespace
+
+    import torch
+
+    from optimizer import job
+    fake_job = SimpleNamespace(cfg=SimpleNamespace(resume=False, seed=0), log=log)
+    return job.Job.train(fake_job, method, torch.zeros(4, 8, dtype=torch.long), steps=steps, batch=1,
+                         ckpt=tmp_path / "ckpt", desc="healing", postfix=lambda stats: {})
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_a_signal_mid_training_ends_the_step_checkpoints_it_and_stops(tmp_path, sig):
+def test_a_signal_mid_training_ends_the_step_checkpoints_it_and_stops(tmp_path, sig, monkeypatch, capfd):
     """SIGTERM or Ctrl-C during a step lets that step finish, writes the checkpoint (whole steps, so
     --resume continues the same run) and then unwinds as before; the handlers are put back."""
     import signal
-    from types import SimpleNamespace
-
-    import torch
 
     from optimizer import job
     from optimizer.errors import Terminated
-    signum = getattr(signal, sig)
+    monkeypatch.setattr(job, "_termination_requested", False)  # put back whatever this test leaves
+    name = "Ctrl-C" if sig == "SIGINT" else "SIGTERM"
     logged = []
-    fake_job = SimpleNamespace(cfg=SimpleNamespace(resume=False, seed=0), log=logged.append)
-    method = _SignalledMethod(at=2, signals=[signum])
+    method = _SignalledMethod(at=2, signals=[getattr(signal, sig)])
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with pytest.raises(Terminated if sig == "SIGTERM" else KeyboardInterrupt):
-        job.Job.train(fake_job, method, torch.zeros(4, 8, dtype=torch.long), steps=100, batch=1,
-                      ckpt=tmp_path / "ckpt", desc="healing", postfix=lambda stats: {})
+        _train(method, tmp_path, log=logged.append)
     assert method.step_count == 3 and method.saved == [3]  # the signalled step finished, then its checkpoint
-    assert logged[-1] == (f"healing: stopped by {'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'} after step 3 of 100, "
+    assert logged[-1] == (f"healing: stopped by {name} after step 3 of 100, "
                           "checkpointed: the same command with --resume continues from there")
+    assert f"{name}: stopping after this training step, with a checkpoint" in capfd.readouterr().err
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
-    job._termination_requested = False  # outside `staged`, nothing else resets it
 
 
-def test_a_second_signal_stops_training_at_once(tmp_path):
+def test_a_signal_in_the_last_step_checkpoints_it_once(tmp_path, monkeypatch):
     import signal
-    from types import SimpleNamespace
-
-    import torch
 
     from optimizer import job
     from optimizer.errors import Terminated
-    fake_job = SimpleNamespace(cfg=SimpleNamespace(resume=False, seed=0), log=print)
+    monkeypatch.setattr(job, "_termination_requested", False)
+    method = _SignalledMethod(at=3, signals=[signal.SIGTERM])
+    with pytest.raises(Terminated):
+        _train(method, tmp_path, steps=4)
+    assert method.step_count == 4 and method.saved == [4]  # the end's checkpoint, not written again
+
+
+def test_a_second_signal_stops_training_at_once(tmp_path, monkeypatch):
+    import signal
+
+    from optimizer import job
+    from optimizer.errors import Terminated
+    monkeypatch.setattr(job, "_termination_requested", False)
     method = _SignalledMethod(at=1, signals=[signal.SIGTERM, signal.SIGTERM])
     with pytest.raises(Terminated):
-        job.Job.train(fake_job, method, torch.zeros(4, 8, dtype=torch.long), steps=100, batch=1,
-                      ckpt=tmp_path / "ckpt", desc="healing", postfix=lambda stats: {})
+        _train(method, tmp_path)
     assert method.step_count == 1 and method.saved == []  # not a whole step: no checkpoint of it
-    job._termination_requested = False
+
+
+def test_an_ignored_ctrl_c_stays_ignored_while_training(tmp_path):
+    """A job started with `&` ignores SIGINT; training must not start heeding it."""
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        method = _SignalledMethod(at=1, signals=[signal.SIGINT])
+        _train(method, tmp_path, steps=4)
+        assert method.step_count == 4 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_killed_runs_temporary_directory_is_swept_at_the_next_start(tmp_path):
