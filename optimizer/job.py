@@ -270,8 +270,8 @@ class Job:
         bar = tqdm(total=steps, initial=method.step_count, desc=desc, unit="step", disable=not main)
         try:
             with StopAfterStep() as stop:
-                while method.step_count < steps and not distributed.all_agree(stop.signal is not None):
-                    stop_if_terminated()
+                # every rank asks whether any rank was signalled (or saw a swallowed SIGTERM), so all stop alike
+                while method.step_count < steps and not distributed.all_agree(stop.requested()):
                     stats = method.step(chunks[batch_indices(len(chunks), batch, method.step_count, self.cfg.seed)])
                     bar.set_postfix(**postfix(stats))
                     bar.update(1)
@@ -281,16 +281,15 @@ class Job:
                     if out_of_time:
                         self.log(f"{desc}: stopped by the time cap after {method.step_count} of {steps} steps")
                         break
-                # a signal during the loop, or after its last check (every rank asks, so all stop alike)
-                if distributed.all_agree(stop.signal is not None):
+                if distributed.all_agree(stop.requested()):  # a signal during the loop or after its last check
                     save()
                     bar.close()
                     self.log(f"{desc}: stopped by {stop.name()} " + (
                         f"after step {method.step_count} of {steps}, checkpointed: the same command with "
                         "--resume continues from there" if method.step_count > 0 else "before its first step"))
                     stop.reraise()
-            if stop.signal is not None:  # after the last check: the last step is checkpointed already
-                stop.reraise()
+            if stop.signal is not None:  # after the last check (this rank alone: training is over, the
+                stop.reraise()          # last step checkpointed; torchrun signals every rank anyway)
         finally:
             bar.close()
         stop_if_terminated()
@@ -499,10 +498,15 @@ class StopAfterStep:
             self.signal = signum
             self.reraise()
         self.signal = signum
-        # os.write, not print: a handler can run inside another write to stderr
         again = "press it again" if signum == signal.SIGINT else "send it again"
-        os.write(2, f"\n{self.name()}: stopping after this training step, with a checkpoint ({again} to stop at "
-                    "once)\n".encode())
+        try:  # os.write, not print: a handler can run inside another write to stderr
+            os.write(2, f"\n{self.name()}: stopping after this training step ({again} to stop at once)\n".encode())
+        except OSError:  # stderr closed (a pipe's reader gone): the stop goes on without the line
+            pass
+
+    def requested(self) -> bool:
+        """A signal came, or a SIGTERM that `staged`'s handler raised before training was swallowed."""
+        return self.signal is not None or _termination_requested
 
     def name(self) -> str:
         return "Ctrl-C" if self.signal == signal.SIGINT else "SIGTERM"
@@ -517,7 +521,8 @@ class StopAfterStep:
 
 
 def stop_if_terminated() -> None:
-    """Re-raise a SIGTERM whose `Terminated` something swallowed: `Job.train` calls it each step and
-    at its end, `Job.run` before the package goes into place."""
+    """Re-raise a SIGTERM whose `Terminated` something swallowed: `Job.train` at its end (its loop
+    stops, checkpointed, on the same flag: `StopAfterStep.requested`), `Job.run` before the package
+    goes into place."""
     if _termination_requested:
         raise Terminated()

@@ -234,8 +234,9 @@ def test_sigterm_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file
 
 
 def test_a_sigterm_something_swallowed_still_stops_the_job(tmp_path):
-    """The handler's exception can land in a finaliser that ignores it; the training loop raises it
-    again at its next step, and the temporary directory goes as for any other end."""
+    """`staged`'s handler's exception can land in a finaliser that ignores it (before training, or off
+    the main thread, where `StopAfterStep` does not hold the signal); the training loop stops on the
+    flag after that step, checkpointed, and the temporary directory goes as for any other end."""
     from types import SimpleNamespace
 
     import torch
@@ -245,12 +246,13 @@ def test_a_sigterm_something_swallowed_still_stops_the_job(tmp_path):
 
     class SwallowsTheSignal:  # a method whose first step receives SIGTERM inside a finaliser
         step_count = 0
+        saved = []
 
         def load(self, ckpt):
             return False
 
         def save(self, ckpt):
-            pass
+            self.saved.append(self.step_count)
 
         def step(self, batch):
             if self.step_count == 0:
@@ -267,7 +269,7 @@ def test_a_sigterm_something_swallowed_still_stops_the_job(tmp_path):
         with job.staged(tmp_path / "pkg"):
             job.Job.train(fake_job, method, torch.zeros(4, 8, dtype=torch.long), steps=100, batch=1,
                           ckpt=tmp_path / "ckpt", desc="t", postfix=lambda stats: {})
-    assert method.step_count == 1  # stopped at the second step, not after 100
+    assert method.step_count == 1 and method.saved == [1]  # stopped after the first step, checkpointed
     assert list(tmp_path.iterdir()) == []
     with job.staged(tmp_path / "next"):
         job.stop_if_terminated()  # the next job starts without the old request
@@ -295,15 +297,51 @@ class _SignalledMethod:
         return {"x": x}
 
 
-def _train(method, tmp_path, steps=100, log=print):
+def _train(method, tmp_path, steps=100, log=print, resume=False, max_time_s=None):
     from types import SimpleNamespace
 
     import torch
 
     from optimizer import job
-    fake_job = SimpleNamespace(cfg=SimpleNamespace(resume=False, seed=0), log=log)
+    fake_job = SimpleNamespace(cfg=SimpleNamespace(resume=resume, seed=0), log=log)
     return job.Job.train(fake_job, method, torch.zeros(4, 8, dtype=torch.long), steps=steps, batch=1,
-                         ckpt=tmp_path / "ckpt", desc="healing", postfix=lambda stats: {})
+                         ckpt=tmp_path / "ckpt", desc="healing", postfix=lambda stats: {}, max_time_s=max_time_s)
+
+
+def test_the_time_cap_checkpoints_and_a_finished_checkpoint_is_not_written_again(tmp_path):
+    capped = _SignalledMethod(at=-1, signals=[])
+    assert _train(capped, tmp_path, max_time_s=0)["resumed_from_step"] == 0
+    assert capped.step_count == 1 and capped.saved == [1]  # stopped by the cap after one step, checkpointed
+    done = _SignalledMethod(at=-1, signals=[])
+    done.load = lambda ckpt: setattr(done, "step_count", 4) or True  # a checkpoint of the finished run
+    assert _train(done, tmp_path, steps=4, resume=True)["resumed_from_step"] == 4
+    assert done.step_count == 4 and done.saved == []
+
+
+def test_a_checkpoint_write_stopped_by_an_exception_leaves_no_partial_file(tmp_path, monkeypatch):
+    import torch
+
+    from optimizer.methods.base import TrainedMethod
+
+    class Tiny(TrainedMethod):
+        def identity(self):
+            return {"run": "tiny"}
+
+        def state(self):
+            return {"step_count": self.step_count}
+
+    method = Tiny()
+    method.save(tmp_path / "ckpt.pt")  # the previous checkpoint
+
+    def interrupted(obj, path):
+        open(path, "wb").write(b"half")
+        raise KeyboardInterrupt()  # a second Ctrl-C while the stop's checkpoint is written
+    monkeypatch.setattr(torch, "save", interrupted)
+    method.step_count = 5
+    with pytest.raises(KeyboardInterrupt):
+        method.save(tmp_path / "ckpt.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+    assert torch.load(tmp_path / "ckpt.pt")["step_count"] == 0
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
@@ -324,7 +362,7 @@ def test_a_signal_mid_training_ends_the_step_checkpoints_it_and_stops(tmp_path, 
     assert method.step_count == 3 and method.saved == [3]  # the signalled step finished, then its checkpoint
     assert logged[-1] == (f"healing: stopped by {name} after step 3 of 100, "
                           "checkpointed: the same command with --resume continues from there")
-    assert f"{name}: stopping after this training step, with a checkpoint" in capfd.readouterr().err
+    assert f"{name}: stopping after this training step" in capfd.readouterr().err
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 

@@ -64,12 +64,17 @@ class TrainedMethod(Method):
         raise NotImplementedError
 
     def save(self, path: Path | str) -> None:
-        """Atomically: a kill mid-write leaves the previous checkpoint, never half of one."""
+        """Atomically: a kill mid-write leaves the previous checkpoint, never half of one; a write
+        stopped by an exception (a second Ctrl-C) leaves no half-written file (tens of GB at 8B)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        torch.save({**self.state(), **self.identity()}, tmp)
-        os.replace(tmp, path)
+        try:
+            torch.save({**self.state(), **self.identity()}, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def load(self, path: Path | str) -> bool:
         """Resume from `path` if it holds a checkpoint of this very run; False otherwise."""
