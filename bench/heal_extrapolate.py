@@ -66,9 +66,11 @@ def zeroshot_se(tasks: dict[str, float]) -> float:
 
 
 def analyse(name: str, points: list[tuple[str, str]]) -> dict:
-    rows, dense = [], None
+    rows, dense, files = [], None, {}
     for folder, key in points:
-        data = json.loads((HEAL / folder / "heal.json").read_text())
+        if folder not in files:  # several points of a series come from one run's file
+            files[folder] = json.loads((HEAL / folder / "heal.json").read_text())
+        data = files[folder]
         run, dense = data["runs"][key], dense or data["dense"]  # one dense model: the first file's figures
         rows.append({"source": f"heal/{folder}", "run": key, "heal_tokens": run["heal_tokens"],
                      "wikitext2_x": run["wikitext2"] / dense["wikitext2"], "c4_x": run["c4"] / dense["c4"],
