@@ -53,7 +53,7 @@ def main() -> None:
 
     from optimizer import load
     from optimizer.adapters import get_adapter
-    from optimizer.heal import Distillation, HealConfig
+    from optimizer.methods.distill import Distillation, HealConfig
     torch.set_num_threads(args.threads)
     teacher, _ = load.load_model(load.resolve(None))
     gen = torch.Generator().manual_seed(0)

@@ -76,7 +76,7 @@ def main() -> None:
     import torch
 
     from optimizer import data, load
-    from optimizer.heal import HealConfig, kd_eval
+    from optimizer.methods.distill import HealConfig, kd_eval
     from optimizer.sequential import calibration_dtype
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -124,7 +124,7 @@ def heal_once(student, teacher, tok, train, held, kls, cfg, a, seed: int) -> dic
     import torch
 
     from optimizer import zeroshot
-    from optimizer.heal import Distillation, kd_eval
+    from optimizer.methods.distill import Distillation, kd_eval
     train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))]
     torch.manual_seed(seed)
     gen_s = 0.0

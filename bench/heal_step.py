@@ -54,7 +54,7 @@ def main() -> None:
 
     import optimizer
     from optimizer import data, load
-    from optimizer.heal import Distillation, HealConfig, digest
+    from optimizer.methods.distill import Distillation, HealConfig, digest
     from optimizer.sequential import calibration_dtype, fast_bf16
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)

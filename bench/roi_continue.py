@@ -14,7 +14,7 @@ calibration and evaluation windows are bench/sparse.py's (32 and 16 × 2048 toke
 bench/results/roi-continue/<date>-<commit>/.
 
 The loop is the product's training step (`RoI.step` on `optimizer.job.batch_indices`' seeded
-order, one chunk a step, as `Job.train` runs it) without `Job.train` itself: that needs a whole
+order, one chunk a step, as `Trainer.train` runs it) without `Trainer.train` itself: that needs a whole
 optimize job, steps to an absolute count and checkpoints every 2 minutes, where this measures the
 hard mask every --eval-every steps and saves only with --save.
 """
@@ -32,7 +32,7 @@ import benchlib
 from optimizer import evaluate, load
 from optimizer.adapters import get_adapter
 from optimizer.methods.roi import RoI, RoIConfig
-from optimizer.job import batch_indices
+from optimizer.training import batch_indices
 from optimizer.sparsity import parse
 
 

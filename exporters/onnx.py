@@ -304,24 +304,21 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report_md: str,
-                  dtype: str = "float32", external_data: bool | None = None, float_activations=None,
-                  int8_roles: tuple[str, ...] = (), int8_weight_max: int = 127,
-                  int8_activation_scales: dict | None = None) -> Path:
+                  dtype: str = "float32", external_data: bool | None = None, int8=None) -> Path:
     """Export, validate, write the rest; rename `tmp` to `out`. The caller removes `tmp` if this raises.
 
-    float_activations: given for a model quantized for onnxruntime's INT8 (optimizer/quantize.py:
-    weights on its int8 grid, activations fake-quantized by hooks), a context manager factory that
-    turns the activation quantization off. The fp32 graph is then exported and validated against the
-    model without it, quantized by onnxruntime (`quantize_graph`), and the INT8 graph validated
-    against the fake-quantized model with the INT8 tolerance; only the INT8 graph is packaged.
-    int8_roles: the block projections that are INT8 (decoder names: q, k, v, o, gate, up, down);
-    int8_weight_max: their weights' grid [-m, m] (127, or 64 where the CPU has no VNNI);
-    int8_activation_scales: for a QDQ graph, each one's static activation scale by (block, role)."""
+    int8: given for a model quantized for onnxruntime's INT8 (optimizer/quantize.py: weights on its
+    int8 grid, activations fake-quantized by hooks): those hooks (`OrtInt8`: `float_activations()`
+    turns them off; `roles`, the block projections that are INT8 by decoder name; `weight_max`, their
+    weights' grid [-m, m], 127 or 64 where the CPU has no VNNI; `scales`, a QDQ graph's static
+    activation scale by (block, role), else None). The fp32 graph is then exported and validated
+    against the model without them, quantized by onnxruntime (`quantize_graph`), and the INT8 graph
+    validated against the fake-quantized model with the INT8 tolerance; only the INT8 graph is packaged."""
     from exporters.onnx_check import ValidationError, validate
     tmp = Path(tmp)
     model = model.float().eval()
     try:
-        if float_activations is None:
+        if int8 is None:
             graph = export_decoder(model, tmp / MODEL_FILE, dtype=dtype, external_data=external_data)
             checks = validate(model, tmp / MODEL_FILE, dtype=dtype, tokenizer=tokenizer)
         else:
@@ -329,14 +326,14 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
                 raise ValueError("an INT8 ONNX package is quantized from the float32 graph (--onnx-dtype float32)")
             scratch = tmp / ".float"
             scratch.mkdir()
-            with float_activations():
+            with int8.float_activations():
                 graph = export_decoder(model, scratch / MODEL_FILE, external_data=external_data)
                 float_checks = validate(model, scratch / MODEL_FILE, tokenizer=tokenizer)
-            graph.update(quantize_graph(scratch / MODEL_FILE, tmp / MODEL_FILE, graph["external_data"], int8_roles,
-                                        int8_weight_max, int8_activation_scales))
+            graph.update(quantize_graph(scratch / MODEL_FILE, tmp / MODEL_FILE, graph["external_data"], int8.roles,
+                                        int8.weight_max, int8.scales))
             shutil.rmtree(scratch)
-            checks = validate(model, tmp / MODEL_FILE, tokenizer=tokenizer, int8=True,
-                              static_activations=int8_activation_scales is not None)
+            checks = validate(model, tmp / MODEL_FILE, tokenizer=tokenizer, int8=int8,
+                              static_activations=int8.scales is not None)
             checks["float_graph"] = float_checks
     except ValidationError as e:
         raise RuntimeError(f"ONNX validation failed, no package written: {e}") from None

@@ -72,12 +72,12 @@ class _Reference:
 
 
 def validate(model, onnx_path: Path, dtype: str = "float32", tokenizer=None, seed: int = 0,
-             threads: int | None = None, int8: bool = False, static_activations: bool = False) -> dict:
+             threads: int | None = None, int8=None, static_activations: bool = False) -> dict:
     """Run the checks; raise ValidationError (one line) on the first failure; return the figures.
 
     threads: onnxruntime threads, by default as many as torch uses (the pipeline's --threads).
-    int8: the graph is onnxruntime's INT8 and `model` its PyTorch twin (activations fake-quantized
-    per tensor, `model.ort_int8`). Its tolerance is TOLERANCE["int8"] of the logits' scale, or twice
+    int8: the graph is onnxruntime's INT8 and `model` its PyTorch twin, activations fake-quantized
+    per tensor by these hooks (optimizer/quantize.OrtInt8). Its tolerance is TOLERANCE["int8"] of the logits' scale, or twice
     what the twin itself moves when perturbed at the level of float rounding, whichever is larger:
     an activation a rounding error away from a half step lands on the other int8 value, and such
     flips grow through the layers, in PyTorch as in onnxruntime (one flip in a middle layer can move a
@@ -130,7 +130,7 @@ def validate(model, onnx_path: Path, dtype: str = "float32", tokenizer=None, see
     keep = mask.bool().numpy()
     noise = noise2 = twins = None
     if int8:
-        twins = _perturbed_twins(model, ref)
+        twins = _perturbed_twins(model, ref, int8)
         noise = _Noise([t(ids, mask, pos) for t in twins], r_logits, r_pres, keep, keep)
         figures.update(reference_twin_noise=noise.max, perturbed_twins=len(twins))
     logits, pres = _run(ort_dec, ids, mask, pos, ort_dec.empty_past(b))
@@ -159,7 +159,7 @@ def validate(model, onnx_path: Path, dtype: str = "float32", tokenizer=None, see
     figures["greedy"] = _greedy(ort_dec, ref, _prompt(tokenizer, vocab, rng), tol,
                                 twins, noise.typical if int8 else 0.0)
     if int8 and static_activations:
-        figures["as_written"] = _as_written(_MatchedRounding(onnx_path, ref, threads), (ids, mask, pos),
+        figures["as_written"] = _as_written(_MatchedRounding(onnx_path, ref, threads, int8), (ids, mask, pos),
                                             (nxt, mask2, pos2))
     figures["validate_s"] = round(time.time() - t0, 2)
     return figures
@@ -189,10 +189,10 @@ class _MatchedRounding:
     away from a near-tie fails. Returns the twin's (logits, state, presents) and onnxruntime's
     (logits, presents); the state carries both caches."""
 
-    def __init__(self, onnx_path: Path, ref: _Reference, threads: int):
+    def __init__(self, onnx_path: Path, ref: _Reference, threads: int, int8):
         import onnx
         from exporters.onnx import qdq_pairs
-        self.ref, self.int8, self.counts = ref, ref.model.ort_int8, {}
+        self.ref, self.int8, self.counts = ref, int8, {}
         proto = onnx.load(str(onnx_path), load_external_data=False)
         # (block, role) -> the QuantizeLinear output its MatMul reads through a DequantizeLinear
         self.tensor_of = {key: q.output[0] for key, (q, _dq) in qdq_pairs(proto.graph).items()}
@@ -240,14 +240,10 @@ def _as_written(exact: _MatchedRounding, prefill: tuple, decode: tuple) -> dict:
     return figures
 
 
-def _perturbed_twins(model, ref: _Reference) -> list:
+def _perturbed_twins(model, ref: _Reference, int8) -> list:
     """The INT8 twin in float64, and in float32 with its quantizer inputs jittered (one per seed)."""
     import copy
-    twins = [_Reference(copy.deepcopy(model).double())]
-    int8 = getattr(model, "ort_int8", None)
-    if int8 is not None:
-        twins += [_Jittered(ref, int8, seed) for seed in JITTER_SEEDS]
-    return twins
+    return [_Reference(copy.deepcopy(model).double()), *(_Jittered(ref, int8, seed) for seed in JITTER_SEEDS)]
 
 
 class _Jittered:

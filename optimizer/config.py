@@ -155,6 +155,7 @@ class OptimizeConfig:
                                       # yet) | none | int8 | fp8 | w4a16 (optimizer/quantize.py)
     zeroshot: int = 0                 # documents per zero-shot task (ARC-Easy, PIQA, HellaSwag) scored
                                       # dense / before / after healing; 0: none
+    keep_checkpoints: bool = False    # keep the training checkpoints once the package is written (else removed)
 
 
 def validate(cfg: OptimizeConfig) -> None:
@@ -232,6 +233,6 @@ def validate(cfg: OptimizeConfig) -> None:
         if path is not None:
             data.read_text_file(path, what)  # raises on missing / empty / binary
     if h.data:
-        from optimizer.heal import heal_records
+        from optimizer.heal_data import heal_records
         for path in h.data:
             heal_records(path)  # JSON records parsed now: a malformed file fails before the model loads

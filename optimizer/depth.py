@@ -182,6 +182,6 @@ class Depth:
         return {"format": cfg.format, "method": method, "size": size, "engine": engine,
                 "checks": {"masked_vs_pruned_max_abs_logit_diff": decision.extra["max_diff"]}}
 
-    def export(self, job: Job, pruned, manifest: dict) -> None:
+    def export(self, job: Job, pruned, manifest: dict, quantized=None) -> None:
         from optimizer.structured import Structured
         Structured().export(job, pruned, manifest)  # the uniform layout's exporters, as they are

@@ -29,7 +29,8 @@ from exporters import vllm as vllm_export
 from optimizer import plan as planner
 from optimizer import report
 from optimizer.job import MAX_MODEL_LEN, Decision, Job
-from optimizer.methods.ddp import DDPConfig, peak_rss_gib
+from optimizer.methods.ddp import DDPConfig
+from optimizer.resources import peak_rss_gib
 from optimizer.methods.ddp_experts import ExpertGates
 from optimizer.masks import ExpertMasks
 from optimizer.methods.reap import ChannelImportance, ExpertImportance
@@ -104,7 +105,7 @@ class Experts:
                 "checks": {"masked_vs_pruned_max_abs_logit_diff": decision.extra["max_diff"]}}
 
     # --- export -----------------------------------------------------------------------------------
-    def export(self, job: Job, pruned, manifest: dict) -> None:
+    def export(self, job: Job, pruned, manifest: dict, quantized=None) -> None:
         vllm_export.write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render_experts(manifest),
                                   finish_checkpoint=job.finish_checkpoint)
 
@@ -136,7 +137,7 @@ def train_expert_gates(job: Job):
     seq = cfg.ddp.seq_len if d.seq_len % cfg.ddp.seq_len == 0 else d.seq_len
     chunks = job.calib.train.reshape(-1, seq)
     ckpt = job.checkpoint("ddp-experts", [seq, vars(ddp_cfg)])
-    run = job.train(gates, chunks, ddp_cfg.steps, ddp_cfg.batch, ckpt, "DDP expert gates",
+    run = job.trainer.train(gates, chunks, ddp_cfg.steps, ddp_cfg.batch, ckpt, "DDP expert gates",
                     lambda s: {"kd": f"{s['kd']:.3f}", "retain": f"{s['retain']:.3f}", "lam": f"{s['lambda']:.2f}"})
     gates.close()
     for p in model.parameters():

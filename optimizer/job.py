@@ -1,17 +1,17 @@
 """The one job skeleton: load → calibrate → method → surgery → (heal → quantize) → evaluate → export.
 
 `Job` holds what every kind of run shares — the model and tokenizer, the calibration and
-evaluation windows, the dense model's perplexity, the checkpointed training loop, the manifest
-and the temporary package directory — and `Job.run(kind)` calls the stages of one *kind* of run
-in order. The structured kind (`optimizer/structured.py`), the depth kind (`optimizer/depth.py`),
-the semi-structured kind (`optimizer/semistructured.py`) and the expert kind (`optimizer/experts.py`)
-are peers on it.
+evaluation windows, the dense model's perplexity, the training loop (`training.Trainer`) and the
+temporary package directory — and `Job.run(kind)` calls the stages of one *kind* of run in order,
+collecting what each returns into the manifest. The structured kind (`optimizer/structured.py`),
+the depth kind (`optimizer/depth.py`), the semi-structured kind (`optimizer/semistructured.py`)
+and the expert kind (`optimizer/experts.py`) are peers on it.
 
-The stage contract. A kind is an object with four methods (and `edits_in_place`: whether its
+The kind contract. A kind is an object with four methods (and `edits_in_place`: whether its
 method writes into job.model); each gets the job and what the previous stage returned:
 
     method(job)                 → Decision   observe the calibration windows (statistics, or a
-                                             training run through `job.train`) and decide: typed
+                                             training run through `job.trainer`) and decide: typed
                                              masks (`optimizer.masks`) and the manifest's account
                                              of the method. May hook the model; must unhook it.
                                              Semi-structured methods zero weights in place.
@@ -20,21 +20,22 @@ method writes into job.model); each gets the job and what the previous stage ret
                                              pattern (semi-structured). Never changes job.model's
                                              weights where the kind keeps them as the teacher.
     describe(job, decision, m)  → dict       manifest sections only the kind knows: method,
-                                             size, engine, checks (and "format").
-    export(job, m, manifest)    → None       write the package into job.tmp and rename it to
-                                             job.out (an exporter's write_package does both).
+                                             size, engine, checks, prediction (and "format").
+    export(job, m, manifest, q) → None       write the package into job.tmp and rename it to
+                                             job.out (an exporter's write_package does both);
+                                             q: the quantize stage's report, or None.
 
-Stages between surgery and evaluation take the deployable model and return it, same shapes:
-  heal(job, model)     → model   (optimizer/heal.py, with --heal-tokens) distillation from
-                                 job.teacher, the dense model (a copy where the kind edits
-                                 job.model in place): weights change, shapes and zeros never do;
-                                 trains through `job.train`; the manifest gains a "heal" section
-  quantize(job, model) → model   (optimizer/quantize.py, with --quant) the block Linears to the
-                                 plan's precision, fake-quantized from then on (evaluation
-                                 measures the quantized model); the manifest gains a
-                                 "quantization" section; the exporter compresses the weights
-A stage that trains checkpoints through `job.train`, keyed by `job.checkpoint(...)`, which
-hashes the model's and the calibration text's *content* with the stage's settings.
+The stages between surgery and evaluation are functions of the model and typed settings that
+return the model (same shapes) and a report; they write into nothing else:
+  heal.heal(student, teacher, text, HealSettings, ...)  → (model, HealReport)   with --heal-tokens:
+        distillation from the dense model (a copy where the kind edits job.model in place);
+        weights change, shapes and zeros never do; trains through `job.trainer`
+  quantize.quantize(model, adapter, windows, QuantConfig) → (model, QuantReport)   with --quant:
+        the block Linears to the plan's precision, fake-quantized from then on (evaluation
+        measures the quantized model); the exporter compresses the weights
+A training stage's checkpoint is keyed by `job.checkpoint(...)`, which hashes the model's and the
+calibration text's *content* with the stage's settings; once the package is in place the job
+removes them (`keep_checkpoints` keeps them).
 
 Output discipline: the package is written to a temporary directory beside the output
 (`.NAME.tmp-PID-XXXX`), renamed into place only when complete, and removed on any failure,
@@ -59,19 +60,16 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from tqdm import tqdm
 
 from exporters import vllm as vllm_export
-from optimizer import data, distributed, evaluate, load
+from optimizer import data, distributed, evaluate, heal_data, load, quantize, training
+from optimizer import heal as heal_stage
 from optimizer.config import OptimizeConfig
-from optimizer.errors import Terminated, UserError
+from optimizer.errors import UserError
 
 TOOL_VERSION = "0.1.0"
 MAX_MODEL_LEN = 2048          # the packages' --max-model-len
 ZEROSHOT_TASKS = ("arc_easy", "piqa", "hellaswag")  # --zeroshot: where SmolLM2-135M is above chance
-CHECKPOINT_EVERY_S = 120      # seconds of training between checkpoints (a kill loses at most this): by
-                              # time, not steps, since writing one (the weights and AdamW's two moments)
-                              # takes seconds, which a count of steps would charge however short they are
 
 
 @dataclass
@@ -112,13 +110,13 @@ class Job:
     calib: Calibration | None = None
     evaluation: Evaluation | None = None
     dense_ppl: float | None = None
-    teacher: torch.nn.Module | None = None   # the dense model healing distils from
-    heal_detail: dict | None = None
     dense_zeroshot: dict | None = None       # --zeroshot
-    heal_chat: str | None = None             # the teacher's chat answers (--heal-chat), written once
-    heal_data: tuple | None = None           # (sequences, description), tokenized once by check_heal_data
-    quant_detail: dict | None = None         # --quant: the quantize stage's account
     architecture: str = "?"                  # the source's, before adapter.working_model
+    trainer: training.Trainer | None = None  # the training loop DDP, RoI and the heal share (their checkpoints)
+
+    def __post_init__(self):
+        if self.trainer is None:
+            self.trainer = training.Trainer(resume=self.cfg.resume, seed=self.cfg.seed, log=self.log)
 
     # --- the skeleton ------------------------------------------------------------------------
     def run(self, kind) -> dict:
@@ -128,30 +126,33 @@ class Job:
         if main:
             self.evaluate_dense()      # before any method: semi-structured ones edit in place
         heal = self.cfg.heal.tokens > 0
+        teacher = heal_text = None
         if heal:
             # the teacher is the dense model: a copy where the method edits job.model in place
-            self.teacher = copy.deepcopy(self.model) if kind.edits_in_place else self.model
-            self.check_heal_data()     # too little heal text fails here, not after minutes of zero-shot
+            teacher = copy.deepcopy(self.model) if kind.edits_in_place else self.model
+            heal_text = self.heal_text(teacher)  # too little heal text fails here, not after minutes of zero-shot
         if self.cfg.zeroshot and main:
             self.dense_zeroshot = self.zeroshot(self.model)
         decision = kind.method(self)
         model = kind.surgery(self, decision)
+        healed = None
         if heal:
-            from optimizer.heal import heal as heal_stage
-            model = heal_stage(self, model)
+            model, healed = self.heal(model, teacher, heal_text)
         if not main:
             return {"plan": self.plan, "manifest": None, "out": None}
-        unquantized_ppl = None
+        quantized, unquantized_ppl = None, None
         if self.plan.quant != "none":
-            from optimizer.quantize import quantize
             if self.evaluation is not None:  # what quantizing costs, apart from what pruning and healing did
                 unquantized_ppl = evaluate.perplexity(model, self.evaluation.windows, "perplexity (unquantized)")
-            model = quantize(self, model)
+            model, quantized = quantize.quantize(model, self.adapter, self.calib.train[:self.cfg.data.calib_windows],
+                                                 self.quant_config(), self.log)
         quality = self.quality(model, unquantized_ppl)
-        manifest = self.manifest(kind.describe(self, decision, model), quality)
-        stop_if_terminated()  # a SIGTERM something swallowed: no package goes into place
-        kind.export(self, model, manifest)
+        manifest = self.manifest(kind.describe(self, decision, model), quality, healed,
+                                 quantized.section if quantized else None)
+        training.stop_if_terminated()  # a SIGTERM something swallowed: no package goes into place
+        kind.export(self, model, manifest, quantized)
         self.log(f"package: {self.out.resolve()}  (serve it: serve {self.out})")
+        self.remove_checkpoints()
         return {"plan": self.plan, "manifest": manifest, "out": self.out}
 
     # --- load, calibrate, evaluate ------------------------------------------------------------
@@ -193,27 +194,66 @@ class Job:
         r = zeroshot.evaluate(model, self.tok, list(ZEROSHOT_TASKS), self.cfg.zeroshot)
         return {"mean": r["mean"], "tasks": {k: v["score"] for k, v in r["tasks"].items()}}
 
-    def check_heal_data(self) -> None:
+    def heal_text(self, teacher) -> heal_data.HealText | None:
         """The heal text, tokenized before pruning (too little is a one-line error now, not after),
-        and never the evaluation text: heal data that holds it is refused, a trace warned of."""
-        from optimizer.heal import default_heal_samples, eval_overlap, heal_chunks, heal_files_text
+        and never the evaluation text: heal data that holds it is refused, a trace warned of. None
+        on the ranks other than 0, which receive rank 0's (heal._heal)."""
         if not distributed.is_main():
-            return  # rank 0's heal text is broadcast to the others (heal._heal)
-        files = self.cfg.heal.data
-        files_text = heal_files_text(files, self.tok) if files else None  # read once: checked, then tokenized
+            return None
+        s = self.cfg.heal
+        files_text = heal_data.heal_files_text(s.data, self.tok) if s.data else None  # read once: checked, then tokenized
         if self.evaluation is not None:
-            if files:
+            if s.data:
                 text, what = files_text, "--heal-data"
             else:
-                text = "\n".join([self.calib.text.text, *default_heal_samples(self).values()])
+                text = "\n".join([self.calib.text.text, *heal_data.default_heal_samples(self.calib.text).values()])
                 what = "the default heal data (the calibration text and built-in samples)"
-            share = eval_overlap(text, self.evaluation.text)
+            share = heal_data.eval_overlap(text, self.evaluation.text)
             if share > 0.05:
                 raise UserError(f"{what} contains {share:.0%} of the evaluation text's lines; healing on it would "
                                 f"make the reported perplexity a memory test: use other heal data or another --eval")
             if share > 0:
                 self.log(f"warning: {what} contains {share:.1%} of the evaluation text's lines")
-        self.heal_data = heal_chunks(self, files_text)
+        n_chat = heal_data.chat_answers(s, self.tok)
+        chat = heal_data.teacher_chat(teacher, self.tok, n_chat, self.cfg.seed) if n_chat else None
+        return heal_data.heal_text(s, self.tok, self.calib, chat, files_text)
+
+    def heal(self, model, teacher, text: heal_data.HealText | None) -> tuple[torch.nn.Module, dict]:
+        """The heal stage, with what the job measures around it: the perplexity (and with
+        --zeroshot the zero-shot scores) before healing. Returns the model and the manifest's "heal"
+        section."""
+        before = {}
+        if self.evaluation is not None:
+            before["perplexity"] = evaluate.perplexity(model, self.evaluation.windows, "perplexity (before healing)")
+        if self.cfg.zeroshot and distributed.is_main():
+            before["zeroshot"] = self.zeroshot(model)
+        model, report = heal_stage.heal(
+            model, teacher, text, self.cfg.heal, held_out=self.calib.held_out, trainer=self.trainer,
+            checkpoint=self.checkpoint, adapter=self.adapter, tok=self.tok, hold_zeros=bool(self.plan.sparsity),
+            seed=self.cfg.seed, calib_dtype=self.cfg.calib_dtype, log=self.log)
+        report.before = {**before, **report.before}
+        return model, report.as_dict()
+
+    def quant_config(self) -> quantize.QuantConfig:
+        """The quantize stage's settings: the plan's precision, for this package's engine."""
+        return quantize.QuantConfig(precision=self.plan.quant, reason=self.plan.quant_reason,
+                                    target_kind=self.target.kind, calib_dtype=self.cfg.calib_dtype,
+                                    onnx_int8=self.cfg.onnx_int8 if self.cfg.format == "onnx" else None)
+
+    def remove_checkpoints(self) -> None:
+        """The package is in place: the training checkpoints behind it have nothing left to resume
+        (an 8B heal's are tens of GB), unless the user keeps them."""
+        if not distributed.is_main():
+            return
+        if self.cfg.keep_checkpoints:
+            for ckpt in self.trainer.written:
+                if ckpt.is_file():
+                    self.log(f"checkpoint kept: {ckpt} ({ckpt.stat().st_size / 2**30:.2f} GiB)")
+            return
+        freed = self.trainer.remove_checkpoints()
+        if freed:
+            self.log(f"training checkpoints removed ({freed / 2**30:.2f} GiB): the package is complete "
+                     "(keep_checkpoints=true keeps them)")
 
     def quality(self, model, unquantized_ppl: float | None = None) -> dict:
         """The manifest's quality: perplexity (and with --zeroshot the zero-shot scores), dense
@@ -246,61 +286,8 @@ class Job:
                                          self.cfg.data.seq_len, run], default=str).encode()).hexdigest()[:16]
         return load.cache_dir() / "runs" / f"{kind}-{key}.pt"
 
-    def train(self, method, chunks: torch.Tensor, steps: int, batch: int, ckpt: Path, desc: str,
-              postfix: Callable[[dict], dict], max_time_s: float | None = None) -> dict:
-        """Step a `TrainedMethod` to `steps`, `batch` chunks a step in a seeded order (resumable),
-        checkpointing every CHECKPOINT_EVERY_S seconds and at the end; --resume continues from the
-        checkpoint; `max_time_s` stops it early (checkpointed). SIGTERM or Ctrl-C stops it after the
-        step under way, checkpointed too (`StopAfterStep`). Returns the last step's stats, where it
-        resumed from, and the wall time."""
-        resumed = self.cfg.resume and method.load(ckpt)
-        distributed.same_on_every_rank(method.step_count, "resumed at step")  # else the ranks' steps part ways
-        if self.cfg.resume and not resumed:
-            self.log(f"--resume: no checkpoint of this exact run at {ckpt}; starting from step 0")
-        start_step, started, stats = method.step_count, time.time(), {}
-        saved, saved_step = started, start_step  # the checkpoint it resumed (if any) holds start_step
-        main = distributed.is_main()  # the one process that writes checkpoints and shows progress
-
-        def save() -> None:
-            nonlocal saved, saved_step
-            if main and method.step_count != saved_step:  # never the same step twice (tens of GB at 8B)
-                method.save(ckpt)
-            saved, saved_step = time.time(), method.step_count
-
-        bar = tqdm(total=steps, initial=method.step_count, desc=desc, unit="step", disable=not main)
-        try:
-            with StopAfterStep() as stop:
-                # every rank asks whether any rank was signalled (or saw a swallowed SIGTERM), so all stop alike
-                while method.step_count < steps and not distributed.all_agree(stop.requested()):
-                    stats = method.step(chunks[batch_indices(len(chunks), batch, method.step_count, self.cfg.seed)])
-                    bar.set_postfix(**postfix(stats))
-                    bar.update(1)
-                    out_of_time = max_time_s is not None and distributed.all_agree(time.time() - started >= max_time_s)
-                    if time.time() - saved >= CHECKPOINT_EVERY_S or method.step_count == steps or out_of_time:
-                        save()
-                    if out_of_time:
-                        self.log(f"{desc}: stopped by the time cap after {method.step_count} of {steps} steps")
-                        break
-                if distributed.all_agree(stop.requested()):  # a signal during the loop or after its last check
-                    save()
-                    bar.close()
-                    self.log(f"{desc}: stopped by {stop.name()} " + (
-                        f"after step {method.step_count} of {steps}, checkpointed: the same command with "
-                        "--resume continues from there" if method.step_count > 0 else "before its first step"))
-                    stop.reraise()
-            if stop.signal is not None:  # after the last check (this rank alone: training is over, the
-                stop.reraise()          # last step checkpointed; torchrun signals every rank anyway)
-        finally:
-            bar.close()
-        stop_if_terminated()
-        if main and ckpt.is_file():  # a heal of an 8B model leaves tens of GB here: say so
-            self.log(f"{desc}: checkpoint {ckpt} ({ckpt.stat().st_size / 2**30:.2f} GiB) kept for --resume; "
-                     "delete the file to reclaim the space")
-        return {"final": stats, "resumed_from_step": start_step, "wall_s": round(time.time() - started, 1),
-                "checkpoint": str(ckpt)}
-
     # --- the manifest ---------------------------------------------------------------------------
-    def manifest(self, sections: dict, quality: dict) -> dict:
+    def manifest(self, sections: dict, quality: dict, heal: dict | None = None, quant: dict | None = None) -> dict:
         """The manifest every package carries; `sections` (method, size, engine, checks, format)
         come from the kind."""
         t, plan = self.target, self.plan
@@ -315,13 +302,13 @@ class Job:
                        "compute_capability": t.compute_capability},
             "method": sections["method"],
             "quality": quality,
-            "size": self._size(sections["size"]),
+            "size": self._size(sections["size"], quant),
             "plan": {"text": plan.text(), "reasons": plan.reasons, "prediction": plan.prediction,
                      "engine": plan.engine, "engine_version": plan.engine_version},
             "engine": sections["engine"],
             "checks": sections["checks"],
-            **({"heal": self.heal_detail} if self.heal_detail else {}),
-            **({"quantization": self.quant_detail} if self.quant_detail else {}),
+            **({"heal": heal} if heal else {}),
+            **({"quantization": quant} if quant else {}),
             "wall_s": round(time.time() - self.started, 1),
         }
 
@@ -332,10 +319,10 @@ class Job:
         source = json.loads((Path(self.source.hf_dir) / "config.json").read_text())
         self.adapter.finish_checkpoint(directory, source)
 
-    def _size(self, size: dict) -> dict:
+    @staticmethod
+    def _size(size: dict, q: dict | None) -> dict:
         """The kind's size section, and with --quant the bytes the quantized checkpoint's
         weights take, against the dense model in bf16."""
-        q = self.quant_detail
         if not q:
             return size
         # the package's other values: bf16 in a vLLM package, fp32 in an ONNX one (against the dense
@@ -345,16 +332,6 @@ class Job:
         dense_bytes = per_value * size["params_dense"]
         return {**size, "weight_bytes_quantized": q["weight_bytes"],
                 "ideal_ratio_quantized": (dense_bytes - lookup_bytes) / (q["weight_bytes"] - lookup_bytes)}
-
-
-def batch_indices(n: int, batch: int, step: int, seed: int) -> torch.Tensor:
-    """Batch `step` of a seeded reshuffle per pass over the data: deterministic and resumable."""
-    idx = []
-    for k in range(step * batch, (step + 1) * batch):
-        epoch, pos = divmod(k, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        idx.append(int(perm[pos]))
-    return torch.tensor(idx)
 
 
 def dense_perplexity(model, windows: torch.Tensor, source: load.ModelSource) -> float:
@@ -424,11 +401,10 @@ def staged(out: Path):
 
     SIGTERM (what `docker stop`, Kubernetes and batch schedulers send) raises `Terminated`
     while the job runs, so the same cleanup runs as for Ctrl-C or a crash."""
-    global _termination_requested
     previous, tmp = None, None
     if threading.current_thread() is threading.main_thread():
-        _termination_requested = False
-        previous = signal.signal(signal.SIGTERM, _terminated)
+        training.clear_termination()
+        previous = signal.signal(signal.SIGTERM, training.terminated)
     created = []
     try:
         created = _missing_dirs(out.expanduser().resolve().parent)  # -o a/b/pkg makes a/ and a/b/: undone on failure
@@ -446,7 +422,7 @@ def staged(out: Path):
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-            _termination_requested = False
+            training.clear_termination()
 
 
 def _missing_dirs(path: Path) -> list[Path]:
@@ -456,73 +432,3 @@ def _missing_dirs(path: Path) -> list[Path]:
         missing.append(path)
         path = path.parent
     return missing
-
-
-_termination_requested = False
-
-
-def _terminated(signum, frame):
-    # Python runs the handler at the next bytecode of the main thread, which can be inside a
-    # finaliser or a callback that swallows exceptions; the flag lets the long loops re-raise it.
-    global _termination_requested
-    _termination_requested = True
-    raise Terminated()
-
-
-class StopAfterStep:
-    """While training: the first SIGTERM or Ctrl-C only sets `signal` (and says so on stderr), so
-    the step under way ends and `Job.train` checkpoints whole steps before it stops (--resume then
-    continues the same run); a second one stops at once. A SIGKILL while the checkpoint is written
-    leaves the previous one (`TrainedMethod.save` is atomic). A signal the process ignores (SIGINT
-    in a job started with `&`) stays ignored; outside the main thread, where Python delivers no
-    signals, nothing changes."""
-
-    DEFAULT = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
-
-    def __init__(self):
-        self.signal, self.previous = None, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                if signal.getsignal(sig) is not signal.SIG_IGN:
-                    self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler if handler is not None else self.DEFAULT[sig])
-
-    def _handle(self, signum, frame):
-        if self.signal is not None:
-            self.signal = signum
-            self.reraise()
-        self.signal = signum
-        again = "press it again" if signum == signal.SIGINT else "send it again"
-        try:  # os.write, not print: a handler can run inside another write to stderr
-            os.write(2, f"\n{self.name()}: stopping after this training step ({again} to stop at once)\n".encode())
-        except OSError:  # stderr closed (a pipe's reader gone): the stop goes on without the line
-            pass
-
-    def requested(self) -> bool:
-        """A signal came, or a SIGTERM that `staged`'s handler raised before training was swallowed."""
-        return self.signal is not None or _termination_requested
-
-    def name(self) -> str:
-        return "Ctrl-C" if self.signal == signal.SIGINT else "SIGTERM"
-
-    def reraise(self):
-        """The signal's exception (another rank's signal: Terminated), for the usual cleanup."""
-        global _termination_requested
-        if self.signal == signal.SIGINT:
-            raise KeyboardInterrupt()
-        _termination_requested = True  # `Job.run` checks it again before the package goes into place
-        raise Terminated()
-
-
-def stop_if_terminated() -> None:
-    """Re-raise a SIGTERM whose `Terminated` something swallowed: `Job.train` at its end (its loop
-    stops, checkpointed, on the same flag: `StopAfterStep.requested`), `Job.run` before the package
-    goes into place."""
-    if _termination_requested:
-        raise Terminated()

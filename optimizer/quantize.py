@@ -1,5 +1,7 @@
 """Quantize: the decoder's weights (and activations) to the precision the target accelerates.
 
+    quantize(model, adapter, windows, QuantConfig) -> (model, QuantReport)
+
 The stage after healing (`job.Job.run`, `--quant`). Every Linear of the decoder blocks gets one
 of compressed-tensors' preset schemes (`PRESETS`) through the library itself, so the checkpoint
 is in the format stock vLLM loads with no flag; the embedding and the LM head stay 16-bit (vLLM
@@ -22,6 +24,8 @@ compresses it into the checkpoint's tensors (int8 or fp8 weights and their scale
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -45,46 +49,62 @@ SMOOTH_ALPHA = 0.5          # SmoothQuant's migration strength (its paper's defa
 SMOOTH_WINDOWS = 4          # calibration windows the migration's maxima and GPTQ's statistics use
 
 
-def quantize(job, model):
-    """The quantize stage: `model`'s block Linears to `job.plan.quant`, in place, fake-quantized
-    from now on. Leaves the manifest's account in `job.quant_detail`."""
+@dataclass(frozen=True)
+class QuantConfig:
+    precision: str                    # int8 | fp8 | w4a16 (the plan's)
+    target_kind: str = "gpu"          # the cpu target refuses shapes its kernels cannot take
+    calib_dtype: str = "auto"         # GPTQ's statistics (optimizer/sequential.calibration_dtype)
+    onnx_int8: str | None = None      # an ONNX package: onnxruntime's INT8, "dynamic" or "qdq"
+    reason: str = ""                  # why this precision (the plan's), for the manifest
+
+
+@dataclass
+class QuantReport:
+    section: dict                     # the manifest's "quantization" section
+    ort_int8: "OrtInt8 | None" = None  # an ONNX package's activation hooks, which its exporter reads
+
+
+def quantize(model, adapter, windows: torch.Tensor, cfg: QuantConfig,
+             log: Callable = print) -> tuple[torch.nn.Module, QuantReport]:
+    """The quantize stage: `model`'s block Linears to `cfg.precision`, in place, fake-quantized from
+    now on; `windows`: calibration windows (the first SMOOTH_WINDOWS are read)."""
     from optimizer.sequential import calibration_dtype
-    precision = job.plan.quant
+    precision = cfg.precision
     started = time.time()
-    windows = job.calib.train[:min(SMOOTH_WINDOWS, job.cfg.data.calib_windows)]
-    if job.cfg.format == "onnx":
-        return quantize_for_onnxruntime(job, model, windows, started)
-    group = w4_group(model, job.adapter) if precision == "w4a16" else None
+    windows = windows[:SMOOTH_WINDOWS]
+    if cfg.onnx_int8 is not None:
+        return quantize_for_onnxruntime(model, adapter, windows, cfg, log, started)
+    group = w4_group(model, adapter) if precision == "w4a16" else None
     smoothing = None
     if quantizes_activations(precision):
-        smooth(model, job.adapter, windows, SMOOTH_ALPHA)
+        smooth(model, adapter, windows, SMOOTH_ALPHA)
         smoothing = {"alpha": SMOOTH_ALPHA, "tokens": windows.numel(), "points": "q/k/v, o, gate/up and down inputs"}
     n = apply(model, precision, group)
     rounding = "round to nearest"
     errors = None
     if precision in GPTQ_PRECISIONS:
-        errors = gptq(model, job.adapter, windows, dtype=calibration_dtype(job.cfg.calib_dtype))
+        errors = gptq(model, adapter, windows, dtype=calibration_dtype(cfg.calib_dtype))
         rounding = f"GPTQ on {windows.numel():,} calibration tokens"
-    slow = kernel_shape_misses(model, job.adapter, precision)
-    if slow and precision == "w4a16" and job.target.kind == "cpu":
+    slow = kernel_shape_misses(model, adapter, precision)
+    if slow and precision == "w4a16" and cfg.target_kind == "cpu":
         raise UserError(f"--quant w4a16 for the cpu target: {slow[0]}; use --quant int8, or a --retain "
                         f"whose widths are multiples of 32")
-    marlin = marlin_misses(model, job.adapter) if precision == "w4a16" and job.target.kind != "cpu" else []
+    marlin = marlin_misses(model, adapter) if precision == "w4a16" and cfg.target_kind != "cpu" else []
     for line in [*slow, *marlin]:
-        job.log(f"quantize: {line}")
+        log(f"quantize: {line}")
     weight_bytes = quantized_bytes(model)
     grid = f"per group of {group} input columns" if group else "per output channel"
-    job.quant_detail = {"precision": precision, "scheme": PRESETS[precision], "format": "compressed-tensors",
+    section = {"precision": precision, "scheme": PRESETS[precision], "format": "compressed-tensors",
                         "weights": f"symmetric absmax {grid}, {rounding}", "group_size": group,
                         "smoothing": smoothing, "gptq": errors,
                         "activations": "dynamic per token" if quantizes_activations(precision) else "16-bit",
                         "linears": n, "ignore": IGNORE, "cpu_kernel_shape_misses": slow, "marlin_misses": marlin,
-                        "reason": job.plan.quant_reason, **weight_bytes, "wall_s": round(time.time() - started, 1)}
-    job.log(f"quantized: {n} Linear layers to {PRESETS[precision]}{f' (group {group})' if group else ''}, "
+                        "reason": cfg.reason, **weight_bytes, "wall_s": round(time.time() - started, 1)}
+    log(f"quantized: {n} Linear layers to {PRESETS[precision]}{f' (group {group})' if group else ''}, "
             f"{f'smoothed (alpha {SMOOTH_ALPHA}), ' if smoothing else ''}{rounding} "
             f"({weight_bytes['quantized_params']:,} weights, "
             f"{weight_bytes['weight_bytes'] / 1e6:.0f} MB of weights against {weight_bytes['bf16_bytes'] / 1e6:.0f} MB in bf16)")
-    return model
+    return model, QuantReport(section)
 
 
 # Where GPTQ rounds the weights instead of round to nearest: nowhere by default. On SmolLM2 it
@@ -259,16 +279,16 @@ def activation_scales(model, linears: dict, windows: torch.Tensor) -> dict:
     return {key: float(np.float32(a / 127)) if a > 0 else 1.0 for key, a in absmax.items()}
 
 
-def quantize_for_onnxruntime(job, model, windows, started):
+def quantize_for_onnxruntime(model, adapter, windows, cfg: QuantConfig, log: Callable, started: float):
     """--quant int8 for an ONNX package: smoothing, then the block Linears' weights on onnxruntime's
     symmetric int8 grid per output channel, for QDQ the activations' static scales, and the activation
-    hooks (OrtInt8, kept on the model as `model.ort_int8` for the exporter)."""
-    form = job.cfg.onnx_int8
-    smooth(model, job.adapter, windows, SMOOTH_ALPHA)
+    hooks (OrtInt8, in the report for the exporter)."""
+    form = cfg.onnx_int8
+    smooth(model, adapter, windows, SMOOTH_ALPHA)
     linears = {}
-    for i, b in enumerate(job.adapter.blocks(model)):
-        q, k, v, o = job.adapter.attention(b)
-        gate, up, down = job.adapter.mlp(b)
+    for i, b in enumerate(adapter.blocks(model)):
+        q, k, v, o = adapter.attention(b)
+        gate, up, down = adapter.mlp(b)
         roles = {"q": q, "k": k, "v": v, "o": o, "gate": gate, "up": up, "down": down}
         linears.update({(i, r): roles[r] for r in ORT_INT8_ROLES})
     m = ort_weight_max()
@@ -277,13 +297,13 @@ def quantize_for_onnxruntime(job, model, windows, started):
             scale = (lin.weight.float().abs().amax(dim=1, keepdim=True) / m).clamp(min=1e-12)
             lin.weight.copy_(((lin.weight.float() / scale).round().clamp(-m, m) * scale).to(lin.weight.dtype))
     scales = activation_scales(model, linears, windows) if form == "qdq" else None
-    model.ort_int8 = OrtInt8(linears, weight_max=m, scales=scales)
+    int8 = OrtInt8(linears, weight_max=m, scales=scales)
     quantized = sum(lin.weight.numel() for lin in linears.values())
     params = sum(p.numel() for p in model.parameters())
     channels = sum(lin.out_features for lin in linears.values())
     activations = "dynamic per tensor (uint8, asymmetric)" if form == "dynamic" else \
         f"static per tensor (int8, symmetric: absmax over {windows.numel():,} calibration tokens / 127)"
-    job.quant_detail = {"precision": "int8", "scheme": ORT_INT8[form],
+    section = {"precision": "int8", "scheme": ORT_INT8[form],
                         "format": "onnx " + ("(onnxruntime.quantization.quantize_dynamic)" if form == "dynamic"
                                              else "QDQ (onnxruntime.quantization.quantize_static)"),
                         "weights": f"symmetric absmax per output channel on [-{m}, {m}], round to nearest"
@@ -292,13 +312,13 @@ def quantize_for_onnxruntime(job, model, windows, started):
                         "smoothing": {"alpha": SMOOTH_ALPHA, "tokens": windows.numel(),
                                       "points": "q/k/v, o, gate/up and down inputs"},
                         "activations": activations, "linears": len(linears),
-                        "ignore": [*IGNORE, "down_proj"], "cpu_kernel_shape_misses": [], "reason": job.plan.quant_reason,
+                        "ignore": [*IGNORE, "down_proj"], "cpu_kernel_shape_misses": [], "reason": cfg.reason,
                         # the package is an fp32 graph but for the int8 weights (and their fp32 scales)
                         "quantized_params": quantized, "weight_bytes": quantized + 4 * (channels + params - quantized),
                         "bytes_per_value": 4, "wall_s": round(time.time() - started, 1)}
-    job.log(f"quantized: {len(linears)} Linear layers for onnxruntime's {form} INT8 (smoothed, round to nearest; "
+    log(f"quantized: {len(linears)} Linear layers for onnxruntime's {form} INT8 (smoothed, round to nearest; "
             f"{quantized:,} int8 weights" + ("" if m == 127 else "; 7-bit grid [-64, 64]: this CPU has no VNNI") + ")")
-    return model
+    return model, QuantReport(section, int8)
 
 
 def quantizes_activations(precision: str) -> bool:

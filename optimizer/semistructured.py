@@ -77,7 +77,7 @@ class SemiStructured:
         }
 
     # --- export: an ordinary checkpoint, with the 2:4 config where the engine has the kernel -----------
-    def export(self, job: Job, model, manifest: dict) -> None:
+    def export(self, job: Job, model, manifest: dict, quantized=None) -> None:
         config_extra = None
         if job.plan.sparse_kernel:
             config_extra = vllm_export.sparse24_quantization_config(manifest["checks"]["zero_fraction"])
@@ -143,7 +143,7 @@ def train_roi(job: Job, windows: torch.Tensor, sparsity: Sparsity, dtype: torch.
     roi.init_from_scores(prior)
     del prior
     ckpt = job.checkpoint("roi", [str(sparsity), vars(roi_cfg), seq, settings.prior, job.cfg.data.calib_windows])
-    run = job.train(roi, chunks, roi_cfg.steps, 1, ckpt, f"RoI {sparsity} masks",
+    run = job.trainer.train(roi, chunks, roi_cfg.steps, 1, ckpt, f"RoI {sparsity} masks",
                     lambda s: {"kd": f"{s['loss']:.3f}", "tau": f"{s['tau']:.2f}", "scale": f"{s['scale']:.1f}"})
     memory = roi.state_bytes()
     roi.apply()

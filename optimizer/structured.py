@@ -25,7 +25,8 @@ from optimizer.errors import UserError
 from optimizer.evaluate import mean_loss
 from optimizer.job import MAX_MODEL_LEN, Decision, Job
 from optimizer.methods.activation import ActivationImportance
-from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts, peak_rss_gib
+from optimizer.methods.ddp import DDP, DDPConfig, UnitCosts
+from optimizer.resources import available_memory, peak_rss_gib
 from optimizer.refit import RefitStatistics
 from optimizer.sequential import calibration_dtype
 from optimizer.surgery import check_same_logits, layer_shapes, masked, prune, prune_per_layer
@@ -111,22 +112,17 @@ class Structured:
                 "checks": {"masked_vs_pruned_max_abs_logit_diff": x["max_diff"]}}
 
     # --- export -----------------------------------------------------------------------------------
-    def export(self, job: Job, pruned, manifest: dict) -> None:
+    def export(self, job: Job, pruned, manifest: dict, quantized=None) -> None:
         if job.cfg.layout == "per-layer":
             per_layer_export.write_package(job.tmp, job.out, pruned, job.tok, manifest,
                                            report.render(manifest) + per_layer_export.report_section(manifest),
                                            manifest["method"]["format"])
         else:
             exporter(job.cfg.format).write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render(manifest),
-                                                   **(self._onnx_args(job, pruned) if job.cfg.format == "onnx"
+                                                   **({"dtype": job.cfg.onnx_dtype,  # and the INT8 activation hooks
+                                                       "int8": quantized.ort_int8 if quantized else None}
+                                                      if job.cfg.format == "onnx"
                                                       else {"finish_checkpoint": job.finish_checkpoint}))
-
-    @staticmethod
-    def _onnx_args(job: Job, pruned) -> dict:
-        int8 = getattr(pruned, "ort_int8", None)  # quantize_for_onnxruntime's activation hooks
-        return {"dtype": job.cfg.onnx_dtype,
-                **({"float_activations": int8.float_activations, "int8_roles": int8.roles,
-                    "int8_weight_max": int8.weight_max, "int8_activation_scales": int8.scales} if int8 else {})}
 
 
 QUANT_PARAMS = ("_scale", "_zero_point")  # what --quant attaches to a Linear: not the model's parameters
@@ -171,19 +167,6 @@ def observe_activation(job: Job):
     return importance, {"tokens": stats.numel()}, grams
 
 
-def available_memory() -> int:
-    """Bytes of memory available now (Linux: MemAvailable; elsewhere the physical memory)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def train_ddp(job: Job, costs):
     """DDP's gates from the one-shot baseline's own choice (same importance, same shape search):
     training refines which units, in which layers, at which scale. The uniform layout holds every
@@ -204,7 +187,7 @@ def train_ddp(job: Job, costs):
     seq = cfg.ddp.seq_len if d.seq_len % cfg.ddp.seq_len == 0 else d.seq_len
     chunks = job.calib.train.reshape(-1, seq)
     ckpt = job.checkpoint("ddp", [seq, cfg.budget, list(costs), vars(ddp_cfg), start])
-    run = job.train(ddp, chunks, ddp_cfg.steps, ddp_cfg.batch, ckpt, "DDP gates",
+    run = job.trainer.train(ddp, chunks, ddp_cfg.steps, ddp_cfg.batch, ckpt, "DDP gates",
                     lambda s: {"kd": f"{s['kd']:.3f}", "retain": f"{s['retain']:.3f}", "lam": f"{s['lambda']:.2f}"})
     ddp.close()
     for p in model.parameters():

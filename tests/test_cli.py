@@ -237,11 +237,9 @@ def test_a_sigterm_something_swallowed_still_stops_the_job(tmp_path):
     """`staged`'s handler's exception can land in a finaliser that ignores it (before training, or off
     the main thread, where `StopAfterStep` does not hold the signal); the training loop stops on the
     flag after that step, checkpointed, and the temporary directory goes as for any other end."""
-    from types import SimpleNamespace
-
     import torch
 
-    from optimizer import job
+    from optimizer import job, training
     from optimizer.errors import Terminated
 
     class SwallowsTheSignal:  # a method whose first step receives SIGTERM inside a finaliser
@@ -257,22 +255,21 @@ def test_a_sigterm_something_swallowed_still_stops_the_job(tmp_path):
         def step(self, batch):
             if self.step_count == 0:
                 try:
-                    job._terminated(15, None)
+                    training.terminated(15, None)
                 except Terminated:
                     pass  # "Exception ignored in: <function __del__ ...>"
             self.step_count += 1
             return {}
 
-    fake_job = SimpleNamespace(cfg=SimpleNamespace(resume=False, seed=0), log=print)
     method = SwallowsTheSignal()
     with pytest.raises(Terminated):
         with job.staged(tmp_path / "pkg"):
-            job.Job.train(fake_job, method, torch.zeros(4, 8, dtype=torch.long), steps=100, batch=1,
-                          ckpt=tmp_path / "ckpt", desc="t", postfix=lambda stats: {})
+            training.Trainer().train(method, torch.zeros(4, 8, dtype=torch.long), steps=100, batch=1,
+                                     ckpt=tmp_path / "ckpt", desc="t", postfix=lambda stats: {})
     assert method.step_count == 1 and method.saved == [1]  # stopped after the first step, checkpointed
     assert list(tmp_path.iterdir()) == []
     with job.staged(tmp_path / "next"):
-        job.stop_if_terminated()  # the next job starts without the old request
+        training.stop_if_terminated()  # the next job starts without the old request
 
 
 class _SignalledMethod:
@@ -298,14 +295,12 @@ class _SignalledMethod:
 
 
 def _train(method, tmp_path, steps=100, log=print, resume=False, max_time_s=None):
-    from types import SimpleNamespace
-
     import torch
 
-    from optimizer import job
-    fake_job = SimpleNamespace(cfg=SimpleNamespace(resume=resume, seed=0), log=log)
-    return job.Job.train(fake_job, method, torch.zeros(4, 8, dtype=torch.long), steps=steps, batch=1,
-                         ckpt=tmp_path / "ckpt", desc="healing", postfix=lambda stats: {}, max_time_s=max_time_s)
+    from optimizer.training import Trainer
+    return Trainer(resume=resume, seed=0, log=log).train(
+        method, torch.zeros(4, 8, dtype=torch.long), steps=steps, batch=1, ckpt=tmp_path / "ckpt", desc="healing",
+        postfix=lambda stats: {}, max_time_s=max_time_s)
 
 
 def test_the_time_cap_checkpoints_and_a_finished_checkpoint_is_not_written_again(tmp_path):
@@ -350,9 +345,9 @@ def test_a_signal_mid_training_ends_the_step_checkpoints_it_and_stops(tmp_path, 
     --resume continues the same run) and then unwinds as before; the handlers are put back."""
     import signal
 
-    from optimizer import job
+    from optimizer import training
     from optimizer.errors import Terminated
-    monkeypatch.setattr(job, "_termination_requested", False)  # put back whatever this test leaves
+    monkeypatch.setattr(training, "_termination_requested", False)  # put back whatever this test leaves
     name = "Ctrl-C" if sig == "SIGINT" else "SIGTERM"
     logged = []
     method = _SignalledMethod(at=2, signals=[getattr(signal, sig)])
@@ -369,9 +364,9 @@ def test_a_signal_mid_training_ends_the_step_checkpoints_it_and_stops(tmp_path, 
 def test_a_signal_in_the_last_step_checkpoints_it_once(tmp_path, monkeypatch):
     import signal
 
-    from optimizer import job
+    from optimizer import training
     from optimizer.errors import Terminated
-    monkeypatch.setattr(job, "_termination_requested", False)
+    monkeypatch.setattr(training, "_termination_requested", False)
     method = _SignalledMethod(at=3, signals=[signal.SIGTERM])
     with pytest.raises(Terminated):
         _train(method, tmp_path, steps=4)
@@ -381,9 +376,9 @@ def test_a_signal_in_the_last_step_checkpoints_it_once(tmp_path, monkeypatch):
 def test_a_second_signal_stops_training_at_once(tmp_path, monkeypatch):
     import signal
 
-    from optimizer import job
+    from optimizer import training
     from optimizer.errors import Terminated
-    monkeypatch.setattr(job, "_termination_requested", False)
+    monkeypatch.setattr(training, "_termination_requested", False)
     method = _SignalledMethod(at=1, signals=[signal.SIGTERM, signal.SIGTERM])
     with pytest.raises(Terminated):
         _train(method, tmp_path)

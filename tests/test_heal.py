@@ -15,7 +15,7 @@ from optimizer import budget
 from optimizer.adapters import get_adapter
 from optimizer.config import HealSettings
 from optimizer.errors import UserError
-from optimizer.heal import Distillation, HealConfig, cast_heads, kd_eval, kd_loss_backward, zero_masks
+from optimizer.methods.distill import Distillation, HealConfig, cast_heads, kd_eval, kd_loss_backward, zero_masks
 from optimizer.methods.activation import ActivationImportance
 from optimizer.sequential import prune_blockwise
 from optimizer.methods.magnitude import Magnitude
@@ -131,7 +131,7 @@ def test_recomputed_activations_give_the_same_step_and_unwrap_on_close():
 def test_lean_memory_heals_with_a_factored_optimizer_state():
     """Adafactor (--heal-memory lean) lowers the held-out KL too, with a state of a row and a
     column per matrix instead of AdamW's two full moments."""
-    from optimizer.heal import OPTIMIZER_LR
+    from optimizer.methods.distill import OPTIMIZER_LR
     teacher = tiny_model("llama")
     train = _data(teacher, 4, 64).repeat(4, 1)
     held_out = train[:2, :48].clone()
@@ -319,7 +319,7 @@ def test_optimize_scores_zero_shot_dense_before_and_after_healing(tiny_dirs, tex
 def test_the_default_heal_budget_and_chat_answers(tokenizer):
     from optimizer.cli import optimize
     from optimizer.config import HealSettings
-    from optimizer.heal import AUTO_CHAT, chat_answers
+    from optimizer.heal_data import AUTO_CHAT, chat_answers
     defaults = {p.name: p.default for p in optimize.params}
     unset = (None, getattr(click.core, "UNSET", None))
     assert defaults["heal_tokens"] == HealSettings.tokens > 0 and defaults["heal_memory"] == HealSettings.memory
@@ -340,16 +340,15 @@ def test_the_default_heal_text_adds_the_built_in_samples_to_the_built_in_corpus_
 
     from optimizer import data
     from optimizer.config import HealSettings
-    from optimizer.heal import heal_chunks
+    from optimizer.heal_data import heal_text
     calib = data.builtin_text("calib")
     if calib is None:
         pytest.skip("no exllamav2 wheel: no built-in corpus")
     train = data.token_windows(tokenizer, calib.text[:20000], 512)
 
-    def job(calib_file):
-        return SimpleNamespace(cfg=SimpleNamespace(heal=HealSettings(chat=0, seq_len=512), data=SimpleNamespace(calib=calib_file)),
-                               calib=SimpleNamespace(train=train, text=calib), tok=tokenizer)
-    chunks, what = heal_chunks(job(None))
+    def heal_chunks():
+        return heal_text(HealSettings(chat=0, seq_len=512), tokenizer, SimpleNamespace(train=train, text=calib), None)
+    chunks, what = heal_chunks()
     samples = data.builtin_heal_samples()
     assert list(samples) == list(data.HEAL_SAMPLES) and "tiny / technical / code / multilingual" in what
     want = len(train) + sum(len(data.token_windows(tokenizer, t, 512)) for t in samples.values())
@@ -358,7 +357,7 @@ def test_the_default_heal_text_adds_the_built_in_samples_to_the_built_in_corpus_
         full = data.builtin_sample(name).read_text(encoding="utf-8")
         assert full.startswith(text) and 0.85 * len(full) < len(text) <= 0.9 * len(full)
     calib = data.Text(calib.text, "file my-calibration.txt")  # the user's calibration text: their domain
-    chunks, what = heal_chunks(job("my-calibration.txt"))
+    chunks, what = heal_chunks()
     assert torch.equal(chunks, train) and "samples" not in what
 
 
@@ -385,7 +384,7 @@ def test_bad_heal_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, a
 def test_heal_data_reads_jsonl_and_json_records_text_and_chat(tmp_path):
     """`text` records as they are, chat `messages` through the model's chat template; a `.json`
     file of JSON lines or one JSON array alike; plain text otherwise."""
-    from optimizer.heal import read_heal_file
+    from optimizer.heal_data import read_heal_file
 
     class Tok:  # a chat template that shows what it was given
         chat_template = "stub"
@@ -438,7 +437,7 @@ def test_heal_data_holding_the_evaluation_text_is_refused(tiny_dirs, text_file, 
 
 
 def test_the_overlap_check_finds_the_evaluation_text_reflowed_or_inside_other_text():
-    from optimizer.heal import eval_overlap
+    from optimizer.heal_data import eval_overlap
     lines = [f"line {i}: the quick brown fox jumps over the lazy dog number {i} again" for i in range(10)]
     evaluation = "\n".join(lines + ["short"])  # a line under 40 characters is not counted
     reflowed = " ".join(lines[:5]).replace(" over ", "\n over ")  # five lines, rejoined and rebroken
@@ -525,7 +524,7 @@ def test_several_processes_are_refused_where_they_cannot_share_a_heal(tiny_dirs,
 
 
 def test_the_teachers_chat_answers_are_rendered_turns_of_built_in_instructions(tokenizer):
-    from optimizer.heal import CHAT_PROMPTS, INSTRUCTIONS, teacher_chat
+    from optimizer.heal_data import CHAT_PROMPTS, INSTRUCTIONS, teacher_chat
     teacher = tiny_model("llama", vocab_size=len(tokenizer))
     text = teacher_chat(teacher, tokenizer, 3, seed=0, max_new_tokens=4, batch=2)
     assert text.count("<|im_start|>user") == 3 and text.count("<|im_start|>assistant") == 3

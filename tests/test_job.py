@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from optimizer import load
-from optimizer.job import batch_indices, dense_perplexity
+from optimizer.job import dense_perplexity
+from optimizer.training import batch_indices
 from tests.conftest import FAMILIES, tiny_model
 
 
@@ -51,14 +52,11 @@ def test_batch_order_is_seeded_covers_every_chunk_per_pass_and_resumes_anywhere(
 
 
 def test_training_checkpoints_by_elapsed_time_and_at_the_end(tmp_path, monkeypatch):
-    """Job.train saves when CHECKPOINT_EVERY_S seconds have passed since the last save, and after the last
+    """Trainer.train saves when CHECKPOINT_EVERY_S seconds have passed since the last save, and after the last
     step, whatever the number of steps."""
-    from pathlib import Path
     from types import SimpleNamespace
 
-    from optimizer import job as job_module
-    from optimizer.config import OptimizeConfig
-    from optimizer.job import Job
+    from optimizer import training
 
     class Counting:
         def __init__(self):
@@ -76,10 +74,9 @@ def test_training_checkpoints_by_elapsed_time_and_at_the_end(tmp_path, monkeypat
             self.saved_at.append(self.step_count)
 
     clock = [0.0]
-    monkeypatch.setattr(job_module, "time", SimpleNamespace(time=lambda: clock[0]))  # job.py's clock alone
-    job = Job(OptimizeConfig(), None, None, None, None, Path("out"), Path("tmp"))
+    monkeypatch.setattr(training, "time", SimpleNamespace(time=lambda: clock[0]))  # training.py's clock alone
     method = Counting()
-    run = job.train(method, torch.zeros(4, 8), 7, 1, tmp_path / "ckpt.pt", "test", lambda s: {})
+    run = training.Trainer().train(method, torch.zeros(4, 8), 7, 1, tmp_path / "ckpt.pt", "test", lambda s: {})
     assert method.step_count == 7 and run["wall_s"] == 350.0
     assert method.saved_at == [3, 6, 7]  # 150 s and 300 s since the last save (120 s apart at least), and the end
 

@@ -14,7 +14,7 @@ pair one level down: `add_batch(inp)` per Linear, `prune(sparsity)` → that Lin
 
 A trained method (`TrainedMethod`) also has a step counter and a checkpoint: `state()` holds
 everything a resume needs, `identity()` what must match for a checkpoint to be this run's.
-The job's training loop (`job.Job.train`) steps it, checkpoints it and resumes it.
+The training loop (`training.Trainer`) steps it, checkpoints it and resumes it.
 """
 
 from __future__ import annotations

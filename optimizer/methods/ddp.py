@@ -398,7 +398,3 @@ def kd_loss(model, gates, input_ids: torch.Tensor, dtype: str = "float32") -> to
     student = F.log_softmax(logits.float(), dim=-1)
     return F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
 
-
-def peak_rss_gib() -> float:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
