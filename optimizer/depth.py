@@ -169,8 +169,8 @@ class Depth:
         config, blocks = model.config, decision.detail["blocks"]
         dense_shape = adapter.dense_shape(config)
         kept = len(blocks["kept"])
-        job.plan.prediction = planner.roofline(target, adapter, config, dense_shape, layers=kept,
-                                               **planner.quant_prediction(job.plan))
+        prediction = planner.roofline(target, adapter, config, dense_shape, layers=kept,
+                                      **planner.quant_prediction(job.plan))
         block = adapter.block_params(config, dense_shape)
         method = {"name": "depth", "plan": job.plan.method, "layout": "uniform", "budget": "params",
                   "retain_requested": cfg.retain, "retain_achieved": kept / blocks["dense"],
@@ -179,7 +179,7 @@ class Depth:
                   "seed": cfg.seed, **decision.detail}
         size = size_section(model, pruned, blocks["dense"] * block, kept * block)
         engine = exporter(cfg.format).engine_section(target.kind, MAX_MODEL_LEN, job.out.name)
-        return {"format": cfg.format, "method": method, "size": size, "engine": engine,
+        return {"format": cfg.format, "method": method, "size": size, "engine": engine, "prediction": prediction,
                 "checks": {"masked_vs_pruned_max_abs_logit_diff": decision.extra["max_diff"]}}
 
     def export(self, job: Job, pruned, manifest: dict, quantized=None) -> None:

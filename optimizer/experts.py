@@ -83,8 +83,8 @@ class Experts:
         config, n_keep, width = model.config, decision.extra["n_keep"], decision.extra["width"]
         dense_params = sum(p.numel() for p in model.parameters())
         pruned_params = sum(p.numel() for p in pruned.parameters())
-        job.plan.prediction = planner.roofline_experts(job.target, adapter, config, n_keep, dense_params, width=width)
-        e = job.plan.prediction["experts"]
+        prediction = planner.roofline_experts(job.target, adapter, config, n_keep, dense_params, width=width)
+        e = prediction["experts"]
         n, full = adapter.num_experts(config), adapter.expert_intermediate(config)
         method = {"name": job.plan.method, "plan": job.plan.method, "layout": "uniform",
                   "budget": "routed experts" if width == full else "routed experts, then expert channels",
@@ -101,7 +101,7 @@ class Experts:
                 # every expert read: the large-batch limit (the roofline gives batch 1 and 16)
                 "ideal_ratio": (dense_params - lookup) / (pruned_params - lookup)}
         engine = vllm_export.engine_section(job.target.kind, MAX_MODEL_LEN, job.out.name)
-        return {"format": "vllm", "method": method, "size": size, "engine": engine,
+        return {"format": "vllm", "method": method, "size": size, "engine": engine, "prediction": prediction,
                 "checks": {"masked_vs_pruned_max_abs_logit_diff": decision.extra["max_diff"]}}
 
     # --- export -----------------------------------------------------------------------------------

@@ -291,6 +291,7 @@ class Job:
         """The manifest every package carries; `sections` (method, size, engine, checks, format)
         come from the kind."""
         t, plan = self.target, self.plan
+        prediction = sections.pop("prediction", plan.prediction)  # of the achieved shape, where the kind has it
         return {
             "schema": vllm_export.SCHEMA,
             "format": sections.pop("format", "vllm"),
@@ -303,7 +304,7 @@ class Job:
             "method": sections["method"],
             "quality": quality,
             "size": self._size(sections["size"], quant),
-            "plan": {"text": plan.text(), "reasons": plan.reasons, "prediction": plan.prediction,
+            "plan": {"text": plan.text(prediction), "reasons": plan.reasons, "prediction": prediction,
                      "engine": plan.engine, "engine_version": plan.engine_version},
             "engine": sections["engine"],
             "checks": sections["checks"],

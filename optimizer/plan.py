@@ -58,7 +58,8 @@ class Plan:
     quant: str = "none"              # the weights' precision: none | int8 | fp8 | w4a16 (optimizer/quantize.py)
     quant_reason: str = ""
 
-    def text(self) -> str:
+    def text(self, prediction: dict | None = None) -> str:
+        """The plan in words; `prediction`: another roofline than the plan's (the achieved shape's)."""
         lines = [f"target: {self.target.display_name} ({self.target.name})",
                  f"engine: {self.engine} {self.engine_version}",
                  f"method: {self.method}" + (f" ({self.sparsity} sparsity)" if self.sparsity else "")]
@@ -66,8 +67,8 @@ class Plan:
         if self.quant_reason:
             lines.append(f"quantization: {QUANT_NAMES[self.quant]}")
             lines.append(f"  why: {self.quant_reason}")
-        if self.prediction:
-            p = self.prediction
+        p = prediction if prediction is not None else self.prediction
+        if p:
             precision = QUANT_NAMES[p.get("precision", "none")] + " against dense bf16"
             lines.append(f"roofline on {self.target.name} ({precision}, prompt {p['prompt_tokens']}, "
                          f"context {p['context_tokens']}): prefill {p['prefill_speedup']:.2f}x, "

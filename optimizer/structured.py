@@ -92,7 +92,8 @@ class Structured:
         cfg, model, adapter, target = job.cfg, job.model, job.adapter, job.target
         config, x = model.config, decision.extra
         shape, chosen, per_layer = x["shape"], x["chosen"], x.get("per_layer")
-        job.plan.prediction = planner.roofline(target, adapter, config, shape, **planner.quant_prediction(job.plan))
+        # the roofline of the shape surgery achieved (the plan's is of the nominal one)
+        prediction = planner.roofline(target, adapter, config, shape, **planner.quant_prediction(job.plan))
         method = {"name": job.plan.method, "plan": job.plan.method, "layout": cfg.layout, "budget": cfg.budget,
                   "retain_requested": cfg.retain, "retain_achieved": chosen["retain"],
                   "retain_budget_achieved": chosen["retain_budget"],
@@ -108,7 +109,7 @@ class Structured:
             engine = per_layer_export.engine_section(per_layer["format"], target.kind, MAX_MODEL_LEN, job.out.name)
         else:
             engine = exporter(cfg.format).engine_section(target.kind, MAX_MODEL_LEN, job.out.name)
-        return {"format": cfg.format, "method": method, "size": size, "engine": engine,
+        return {"format": cfg.format, "method": method, "size": size, "engine": engine, "prediction": prediction,
                 "checks": {"masked_vs_pruned_max_abs_logit_diff": x["max_diff"]}}
 
     # --- export -----------------------------------------------------------------------------------
