@@ -23,6 +23,10 @@ method writes into job.model); each gets the job and what the previous stage ret
                                              size, engine, checks (and "format").
     export(job, m, manifest)    → None       write the package into job.tmp and rename it to
                                              job.out (an exporter's write_package does both).
+                                             `manifest` is a core.manifest.Manifest; the kind
+                                             passes it and the report up to its plan
+                                             (optimizer/report.py), and the exporter adds its
+                                             own sections to both before writing each once.
 
 Stages between surgery and evaluation take the deployable model and return it, same shapes:
   heal(job, model)     → model   (optimizer/heal.py, with --heal-tokens) distillation from
@@ -61,10 +65,10 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from exporters import vllm as vllm_export
+from core.errors import Terminated, UserError
+from core.manifest import Engine, Manifest, Plan, Source, Target, Tool
 from optimizer import data, distributed, evaluate, load
 from optimizer.config import OptimizeConfig
-from optimizer.errors import Terminated, UserError
 
 TOOL_VERSION = "0.1.0"
 MAX_MODEL_LEN = 2048          # the packages' --max-model-len
@@ -122,6 +126,7 @@ class Job:
 
     # --- the skeleton ------------------------------------------------------------------------
     def run(self, kind) -> dict:
+        """{"plan", "manifest" (the package's, as written), "out"}."""
         main = distributed.is_main()   # several processes: only rank 0 evaluates and writes
         self.load()
         self.calibrate()
@@ -300,31 +305,29 @@ class Job:
                 "checkpoint": str(ckpt)}
 
     # --- the manifest ---------------------------------------------------------------------------
-    def manifest(self, sections: dict, quality: dict) -> dict:
+    def manifest(self, sections: dict, quality: dict) -> Manifest:
         """The manifest every package carries; `sections` (method, size, engine, checks, format)
         come from the kind."""
         t, plan = self.target, self.plan
-        return {
-            "schema": vllm_export.SCHEMA,
-            "format": sections.pop("format", "vllm"),
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "tool": {"name": "llm-deploy-optimizer", "version": TOOL_VERSION},
-            "source": {"model": self.source.description, "hf_dir": str(self.source.hf_dir),
-                       "architecture": self.architecture, "family": self.adapter.family},
-            "target": {"name": t.name, "display_name": t.display_name, "kind": t.kind,
-                       "compute_capability": t.compute_capability},
-            "method": sections["method"],
-            "quality": quality,
-            "size": self._size(sections["size"]),
-            "plan": {"text": plan.text(), "reasons": plan.reasons, "prediction": plan.prediction,
-                     "engine": plan.engine, "engine_version": plan.engine_version},
-            "engine": sections["engine"],
-            "checks": sections["checks"],
-            **({"heal": self.heal_detail} if self.heal_detail else {}),
-            **({"quantization": self.quant_detail} if self.quant_detail else {}),
-            "wall_s": round(time.time() - self.started, 1),
-        }
-
+        return Manifest(
+            format=sections.pop("format", "vllm"),
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            tool=Tool(version=TOOL_VERSION),
+            source=Source(model=self.source.description, hf_dir=str(self.source.hf_dir),
+                          architecture=self.architecture, family=self.adapter.family),
+            target=Target(name=t.name, display_name=t.display_name, kind=t.kind,
+                          compute_capability=t.compute_capability),
+            method=sections["method"],
+            quality=quality,
+            size=self._size(sections["size"]),
+            plan=Plan(text=plan.text(), reasons=plan.reasons, prediction=plan.prediction,
+                      engine=plan.engine, engine_version=plan.engine_version),
+            engine=Engine.from_dict(sections["engine"]),
+            checks=sections["checks"],
+            heal=self.heal_detail or None,
+            quantization=self.quant_detail or None,
+            wall_s=round(time.time() - self.started, 1),
+        )
 
     def finish_checkpoint(self, directory: Path) -> None:
         """The written checkpoint as the source's family writes it (the adapter's rewrite: Phi-3's
