@@ -112,13 +112,13 @@ def main() -> None:
             threads=args.threads, seed=args.seed, calib_dtype=args.calib_dtype,
             refit=RefitSettings() if args.refit else None, resume=args.resume,
             heal=HealSettings(tokens=0), quant=args.quant))["manifest"]  # the pruning methods, unhealed (bench/heal.py heals)
-        q = m["quality"]["perplexity"]
+        q = m.perplexity
         row = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),
-               "shape": m["method"]["shape"], "retain_achieved": m["method"]["retain_achieved"],
-               "retain_budget_achieved": m["method"]["retain_budget_achieved"],
+               "shape": m.method["shape"], "retain_achieved": m.method["retain_achieved"],
+               "retain_budget_achieved": m.method["retain_budget_achieved"],
                "ppl_dense": q["dense"], "ppl": q["pruned"], "excess_ppl": q["pruned"] - q["dense"],
-               "ideal_ratio": m["size"]["ideal_ratio"], "training": m["method"].get("ddp"),
-               "refit": m["method"].get("refit"), "quantization": m.get("quantization"), **run}
+               "ideal_ratio": m.size["ideal_ratio"], "training": m.method.get("ddp"),
+               "refit": m.method.get("refit"), "quantization": m.quantization, **run}
         # Runs of one level may come from separate processes (--layouts): this adds the row
         # to the file as it is now (another process's rows stay); the protocol is the
         # run's, the command and commit of each row its own.

@@ -78,8 +78,8 @@ def main() -> None:
             ddp=DDPSettings(steps=args.steps, batch=args.batch, lr=args.lr, lr_end=args.lr_end),
             seed=args.seed, threads=args.threads, heal=HealSettings(tokens=0), quant="none",
             refit=None))["manifest"]
-    result = {"retain": args.retain, "layout": args.layout, "training": m["method"]["ddp"],
-              "package_ppl_16_windows": m["quality"]["perplexity"]["pruned"], "eval_windows": args.eval_windows,
+    result = {"retain": args.retain, "layout": args.layout, "training": m.method["ddp"],
+              "package_ppl_16_windows": m.perplexity["pruned"], "eval_windows": args.eval_windows,
               "points": points, "wall_s": round(time.time() - started, 1), **run}
     benchlib.write_result(f"{stem}.json", result)
     benchlib.write_markdown(f"{stem}.md", markdown(result))

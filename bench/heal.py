@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import benchlib
+from core.manifest import Manifest
 
 TASKS = ["arc_easy", "piqa", "hellaswag"]
 STRUCTURED = {"activation", "ddp", "depth"}
@@ -146,7 +147,7 @@ def main() -> None:
                 model, _ = load.load_model(load.resolve(str(pkg)))
                 row = {"method": spec, "retain": retain, "heal_tokens": tokens, "heal_memory": args.heal_memory,
                        "seed": seed, "package": str(pkg),
-                       "wikitext2": m["quality"]["perplexity"]["pruned"],
+                       "wikitext2": m.perplexity["pruned"],
                        "c4": evaluate.perplexity(model, c4, f"{name}: c4"),
                        "optimize_wall_s": round(time.time() - t0, 1),
                        "method_wall_s": _method_wall(m), "heal": _heal_summary(m)}
@@ -186,15 +187,15 @@ def _zeroshot(model, tok, args) -> dict:
     return {"mean": r["mean"], "tasks": {t: r["tasks"][t]["score"] for t in TASKS}}
 
 
-def _method_wall(m: dict) -> float | None:
-    meth = m["method"]
+def _method_wall(m: Manifest) -> float | None:
+    meth = m.method
     if "ddp" in meth:  # the gates' training alone
         return meth["ddp"]["wall_s"]
     return meth.get("wall_s")  # the method's whole stage (RoI: its prior and training)
 
 
-def _heal_summary(m: dict) -> dict | None:
-    h = m.get("heal")
+def _heal_summary(m: Manifest) -> dict | None:
+    h = m.heal
     if not h:
         return None
     return {k: h[k] for k in ("tokens", "steps", "wall_s", "peak_rss_gib", "before", "after", "data")}

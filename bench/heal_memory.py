@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import benchlib
+from core.manifest import Manifest
 
 GB = 1e9
 # LLaMA-3.1-8B: 32 layers, hidden 4096, intermediate 14336, 32 query / 8 KV heads of 128, an
@@ -104,8 +105,7 @@ def profile_step(distil, ids) -> dict:
 
 
 def _retain(package: str) -> float:
-    m = json.loads((Path(package) / "manifest.json").read_text())
-    return m["method"]["retain_achieved"]
+    return Manifest.read(package).method["retain_achieved"]
 
 
 def scale(measured: dict, d: dict, big: dict, tokens: int) -> dict:

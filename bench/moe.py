@@ -82,13 +82,13 @@ def main() -> None:
                                       data=DataConfig(calib_windows=4, seq_len=512, eval_windows=1),
                                       threads=args.threads, heal=HealSettings(tokens=0)))
         m = res["manifest"]
-        e, p, s = m["method"]["experts"], m["plan"]["prediction"], m["size"]
+        e, p, s = m.method["experts"], m.plan.prediction, m.size
         row = {"family": family, "package": str(pkg), "optimize_wall_s": round(time.time() - t0, 1),
                "experts": {"dense": e["dense"], "kept": e["kept"], "top_k": e["top_k"], "moe_layers": len(e["moe_layers"]),
                            "width_dense": e.get("width_dense", EXPERT_WIDTH), "width_kept": e.get("width_kept", EXPERT_WIDTH)},
                "params": {"dense": s["params_dense"], "pruned": s["params_pruned"]},
                "active_params": {"dense": s["active_params_dense"], "pruned": s["active_params_pruned"]},
-               "masked_vs_pruned_max_abs_logit_diff": m["checks"]["masked_vs_pruned_max_abs_logit_diff"],
+               "masked_vs_pruned_max_abs_logit_diff": m.checks["masked_vs_pruned_max_abs_logit_diff"],
                "ideal_ratio": s["ideal_ratio"],
                "roofline": {k: p[k] for k in ("decode_speedup_b1", "decode_speedup_b16", "weight_bytes_ratio")},
                "experts_touched_b16": p["experts"]["touched_b16"]}

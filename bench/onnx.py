@@ -32,6 +32,7 @@ from benchlib import ROOT
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
+from core.manifest import Manifest, is_package  # noqa: E402
 from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimize  # noqa: E402
 
 
@@ -86,8 +87,8 @@ def main() -> None:
         suffix = "" if quant == "none" else f"-{quant}" + ("-qdq" if args.onnx_int8 == "qdq" else "")
         pkg = packages / f"{_name(args)}-r{retain:.2f}{suffix}"
         t0 = time.time()
-        if args.reuse and (pkg / "manifest.json").is_file():
-            m = json.loads((pkg / "manifest.json").read_text())
+        if args.reuse and is_package(pkg):
+            m = Manifest.read(pkg)
         else:
             shutil.rmtree(pkg, ignore_errors=True)
             m = optimize(OptimizeConfig(model=args.model, target=args.target, method="activation", retain=retain,
@@ -96,13 +97,13 @@ def main() -> None:
                                         data=DataConfig(calib=str(calib), calib_windows=args.calib_windows,
                                                         eval_windows=args.eval_windows, seq_len=args.seq_len),
                                         heal=HealSettings(tokens=0), refit=None))["manifest"]  # speed: heal and refit keep the shapes
-        c = m["checks"]["onnx"]
+        c = m.checks["onnx"]
         entry = {"retain": retain, "package": str(pkg),
-                 "quant": quant if quant == "none" else f"{quant} {m['onnx'].get('int8_activations', 'dynamic')}",
-                 "perplexity": (m["quality"].get("perplexity") or {}).get("pruned"),
-                 "optimize_wall_s": m.get("wall_s") if args.reuse else round(time.time() - t0, 1),
-                 "retain_achieved": m["method"]["retain_achieved"], "shape": m["method"]["shape"],
-                 "onnx_bytes": m["onnx"]["bytes"], "export_s": c["export_s"], "validate_s": c["validate_s"],
+                 "quant": quant if quant == "none" else f"{quant} {m.onnx.get('int8_activations', 'dynamic')}",
+                 "perplexity": (m.perplexity or {}).get("pruned"),
+                 "optimize_wall_s": m.wall_s if args.reuse else round(time.time() - t0, 1),
+                 "retain_achieved": m.method["retain_achieved"], "shape": m.method["shape"],
+                 "onnx_bytes": m.onnx["bytes"], "export_s": c["export_s"], "validate_s": c["validate_s"],
                  "validation": {"prefill_max_abs_diff": c["prefill"]["logits_max_abs_diff"],
                                 "decode_max_abs_diff": c["decode"]["logits_max_abs_diff"],
                                 "greedy_matched": c["greedy"]["matched"], "greedy_tokens": c["greedy"]["tokens"],

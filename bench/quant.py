@@ -117,12 +117,12 @@ def main() -> None:
                                         resume=True,  # r0.70-int8 resumes r0.70's finished heal: the same run
                                         heal=HealSettings() if heal else HealSettings(tokens=0)),
                          log=lambda *a: print(*a, flush=True))["manifest"]
-            row = {"kind": "ours", "method": m["method"]["name"], "retain": retain, "heal": heal,
-                   "quant": m.get("quantization", {}).get("precision", "none"), "target": target,
+            row = {"kind": "ours", "method": m.method["name"], "retain": retain, "heal": heal,
+                   "quant": (m.quantization or {}).get("precision", "none"), "target": target,
                    "optimize_wall_s": round(time.time() - t0, 1),
-                   "retain_achieved": m["method"]["retain_achieved"],
-                   "weight_bytes": m["size"].get("weight_bytes_quantized", m["size"]["bf16_bytes_pruned"]),
-                   "dense_bf16_bytes": m["size"]["bf16_bytes_dense"]}
+                   "retain_achieved": m.method["retain_achieved"],
+                   "weight_bytes": m.size.get("weight_bytes_quantized", m.size["bf16_bytes_pruned"]),
+                   "dense_bf16_bytes": m.size["bf16_bytes_dense"]}
         else:
             work.mkdir(parents=True, exist_ok=True)
             windows = work / "peer-calib.pt"

@@ -143,8 +143,8 @@ def main() -> None:
                                     heal=HealSettings(tokens=0), quant="none",  # the pruning methods, unhealed (bench/heal.py heals)
                                     out=str(pkg), calib_dtype=dtype or args.calib_dtype),
                      log=lambda *a: print(*a, flush=True))
-        m = r["manifest"]["method"]
-        results["runs"][run] = {"method": method, "sparsity": pattern, "ppl": r["manifest"]["quality"]["perplexity"]["pruned"],
+        m = r["manifest"].method
+        results["runs"][run] = {"method": method, "sparsity": pattern, "ppl": r["manifest"].perplexity["pruned"],
                                 "wall_s": m["wall_s"], "zero_fraction": m["zero_fraction"],
                                 "calib_dtype": m.get("calib_dtype", "float32"), "beside_peer": peer is not None and peer[1] is not None and peer[1].poll() is None,
                                 **{k: m[k] for k in ("si", "roi") if k in m}, **run_info}

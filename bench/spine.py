@@ -81,17 +81,17 @@ def main() -> None:
                                       **({} if args.default_job else  # the one-shot method alone
                                          dict(heal=HealSettings(tokens=0), quant="none", refit=None))))
         m = res["manifest"]
-        size = m["size"]
+        size = m.size
         if args.default_job:  # what the product found without --calib (the built-in corpus, else its own text)
-            results["protocol"]["calib"] = m["method"]["calibration"]["source"]
+            results["protocol"]["calib"] = m.method["calibration"]["source"]
         results["levels"].append({
             "retain": retain, "package": str(pkg), "optimize_wall_s": round(time.time() - t0, 1),
-            "retain_achieved": m["method"]["retain_achieved"], "shape": m["method"]["shape"],
-            "perplexity": m["quality"]["perplexity"],
+            "retain_achieved": m.method["retain_achieved"], "shape": m.method["shape"],
+            "perplexity": m.perplexity,
             "ideal_ratio": size.get("ideal_ratio_quantized", size["ideal_ratio"]),
-            "precision": m.get("quantization", {}).get("precision", "16-bit"),
-            "refit_applied": m["method"].get("refit", {}).get("applied", False),
-            "heal": {k: m["heal"][k] for k in ("tokens", "wall_s", "before", "after")} if "heal" in m else None,
+            "precision": (m.quantization or {}).get("precision", "16-bit"),
+            "refit_applied": m.method.get("refit", {}).get("applied", False),
+            "heal": {k: m.heal[k] for k in ("tokens", "wall_s", "before", "after")} if m.heal else None,
             "weight_bytes": {"dense": size["bf16_bytes_dense"],
                              "pruned": size.get("weight_bytes_quantized", size["bf16_bytes_pruned"])}})
         benchlib.update_result(path, results)

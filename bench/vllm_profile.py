@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import benchlib
+from core.manifest import Manifest, is_package
 from serve.launch import server_env
 
 # First match wins: a category is a regular expression on the operator's name.
@@ -100,8 +101,8 @@ def summarise(run: dict, steps: int, top: int) -> dict:
 
 def profile_model(model: str, args) -> dict:
     """{concurrency: summary} for one model, in a fresh process."""
-    manifest = Path(model, "manifest.json")  # a package's engine environment, as `serve` starts it
-    env = {**server_env(json.loads(manifest.read_text()) if manifest.is_file() else {"engine": {}}),
+    # a package's engine environment, as `serve` starts it
+    env = {**server_env(Manifest.read(model) if is_package(model) else None),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     spec = {"model": model, "concurrency": args.levels, "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens}

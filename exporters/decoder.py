@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optimizer.errors import UserError
+from core.errors import UserError
 
 
 @dataclass(frozen=True)

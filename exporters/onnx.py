@@ -9,7 +9,9 @@ Package layout:
   config.json, generation_config.json, tokenizer files
                                   the HF description (bench reads vocab_size from config.json)
   genai_config.json               for onnxruntime-genai, when the layout is uniform (exporters/genai.py)
-  manifest.json, report.md        as for vLLM; manifest["checks"]["onnx"] holds the validation
+  manifest.json, report.md        as for vLLM; the manifest's checks["onnx"] holds the validation,
+                                  its onnx section the graph; report.md's "Serving (ONNX)"
+                                  section is this module's (`report_section`)
   ort_server.py, launch.sh        a copy of runtime/ort_server.py, which needs only numpy,
                                   onnxruntime and tokenizers, and its launcher
   Dockerfile                      the same on a slim Python image (docker/ort-cpu.Dockerfile)
@@ -32,11 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.manifest import Engine, Manifest
 from exporters import genai
 from exporters.decoder import Decoder, LayerShape
-from exporters.vllm import DOCKER_DIR
-from optimizer import report
-from runtime.package import MANIFEST
+from exporters.vllm import DOCKER_DIR, internal_check
 
 MODEL_FILE = "model.onnx"
 OPSET = 17
@@ -303,7 +304,7 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return [eos] if eos is not None else []
 
 
-def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report_md: str,
+def write_package(tmp: Path, out: Path, model, tokenizer, manifest: Manifest, report_md: str,
                   dtype: str = "float32", external_data: bool | None = None, int8=None) -> Path:
     """Export, validate, write the rest; rename `tmp` to `out`. The caller removes `tmp` if this raises.
 
@@ -313,7 +314,9 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
     weights' grid [-m, m], 127 or 64 where the CPU has no VNNI; `scales`, a QDQ graph's static
     activation scale by (block, role), else None). The fp32 graph is then exported and validated
     against the model without them, quantized by onnxruntime (`quantize_graph`), and the INT8 graph
-    validated against the fake-quantized model with the INT8 tolerance; only the INT8 graph is packaged."""
+    validated against the fake-quantized model with the INT8 tolerance; only the INT8 graph is packaged.
+    The manifest gains the graph (`onnx`), its validation (`checks["onnx"]`) and what the server
+    needs of it (`engine`); `report_md` (the report up to its plan) this package's Serving section."""
     from exporters.onnx_check import ValidationError, validate
     tmp = Path(tmp)
     model = model.float().eval()
@@ -339,25 +342,25 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
         raise RuntimeError(f"ONNX validation failed, no package written: {e}") from None
     checks["export_s"] = graph["export_s"]
 
-    engine = manifest["engine"]
+    engine = manifest.engine
     eos = eos_token_ids(model, tokenizer)
-    engine.update(dtype=dtype, model_file=MODEL_FILE, eos_token_ids=eos,
-                  external_data=graph["external_data"])
+    engine.dtype, engine.model_file, engine.eos_token_ids = dtype, MODEL_FILE, eos
+    engine.external_data = graph["external_data"]
     shapes = [LayerShape(**s) for s in graph["layers"]]
     reason = genai.unsupported_reason(shapes) or \
         (None if eos else "no EOS token id in the model or tokenizer")
     if reason is None:
         cfg = genai.genai_config(model.config, shapes, graph["head_dim"],
-                                 engine.get("max_model_len", 2048), eos, MODEL_FILE, engine["providers"])
+                                 engine.max_model_len or 2048, eos, MODEL_FILE, engine.providers)
         (tmp / genai.FILENAME).write_text(json.dumps(cfg, indent=2) + "\n")
-    engine["onnxruntime_genai"] = {"config": genai.FILENAME} if reason is None else {"unsupported": reason}
-    manifest["onnx"] = {k: graph[k] for k in ("files", "dtype", "opset", "external_data", "bytes", "weight_bytes",
-                                              "tied_embeddings", "head_dim", "uniform", "int8_matmuls", "int8_weight_max",
-                                              "int8_activations")
-                       if k in graph}
+    engine.onnxruntime_genai = {"config": genai.FILENAME} if reason is None else {"unsupported": reason}
+    manifest.onnx = {k: graph[k] for k in ("files", "dtype", "opset", "external_data", "bytes", "weight_bytes",
+                                           "tied_embeddings", "head_dim", "uniform", "int8_matmuls", "int8_weight_max",
+                                           "int8_activations")
+                     if k in graph}
     if not graph["uniform"]:
-        manifest["onnx"]["layers"] = graph["layers"]
-    manifest.setdefault("checks", {})["onnx"] = checks
+        manifest.onnx["layers"] = graph["layers"]
+    manifest.checks["onnx"] = checks
 
     tokenizer.save_pretrained(tmp)
     config = model.config.to_dict()
@@ -365,8 +368,8 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    (tmp / "report.md").write_text(_report(report_md, manifest))
+    manifest.write(tmp)
+    (tmp / "report.md").write_text(f"{report_md}\n\n{report_section(manifest)}")
     shutil.copyfile(SERVER_FILE, tmp / "ort_server.py")
     _write_launcher(tmp, engine)
     _write_dockerfile(tmp, engine)
@@ -376,11 +379,11 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
     return out
 
 
-def _server_args(engine: dict) -> list[str]:
-    return ["--served-model-name", engine["served_model_name"], *engine.get("args", [])]
+def _server_args(engine: Engine) -> list[str]:
+    return ["--served-model-name", engine.served_model_name, *engine.args]
 
 
-def _write_launcher(tmp: Path, engine: dict) -> None:
+def _write_launcher(tmp: Path, engine: Engine) -> None:
     args = " ".join(_server_args(engine))
     text = ("#!/usr/bin/env sh\n"
             "# Serve this package with onnxruntime behind an OpenAI-compatible /v1/completions endpoint.\n"
@@ -392,7 +395,7 @@ def _write_launcher(tmp: Path, engine: dict) -> None:
     (tmp / "launch.sh").write_text(text)
 
 
-def _write_dockerfile(tmp: Path, engine: dict) -> None:
+def _write_dockerfile(tmp: Path, engine: Engine) -> None:
     entry = ["python3", "/package/ort_server.py", "/package", *_server_args(engine)]
     import onnxruntime
     text = (DOCKER_DIR / "ort-cpu.Dockerfile").read_text().replace("{{ENTRYPOINT}}", json.dumps(entry)) \
@@ -400,10 +403,10 @@ def _write_dockerfile(tmp: Path, engine: dict) -> None:
     (tmp / "Dockerfile").write_text(text)
 
 
-def _report(report_md: str, manifest: dict) -> str:
-    """The pipeline's report with its serving section (written for vLLM) replaced by this package's."""
-    head = report_md.split("\n## Serving\n")[0].rstrip("\n")
-    e, c, g = manifest["engine"], manifest["checks"]["onnx"], manifest["onnx"]
+def report_section(manifest: Manifest) -> str:
+    """The Serving (ONNX) section of the package's report.md: the graph, how to serve it, its validation."""
+    e, c, g = manifest.engine, manifest.checks["onnx"], manifest.onnx
+    check = internal_check(manifest)
     greedy = c["greedy"]
     tie = f", parted at a near-tie at token {greedy['parted_at_near_tie']['step']}" if greedy["parted_at_near_tie"] else ""
     loosened = (f", or twice the perturbed twins' distance at {c['positions_loosened_by_float_noise']} of "
@@ -413,20 +416,19 @@ def _report(report_md: str, manifest: dict) -> str:
                    f"near-ties of {exact['activations_compared']:,} quantized values: prefill logits max |diff| "
                    f"{exact['prefill']['logits_max_abs_diff']:.2e}, caches {exact['prefill']['present_max_abs_diff']:.2e} "
                    f"(tolerance {exact['tolerance_of_scale']:g} x the largest logit)"] if exact else [])
-    genai_line = (f"- `{genai.FILENAME}`: runs with onnxruntime-genai" if "config" in e["onnxruntime_genai"]
-                  else f"- no `{genai.FILENAME}`: {e['onnxruntime_genai']['unsupported']}")
-    lines = [head, "", "## Serving (ONNX)", "",
+    genai_line = (f"- `{genai.FILENAME}`: runs with onnxruntime-genai" if "config" in e.onnxruntime_genai
+                  else f"- no `{genai.FILENAME}`: {e.onnxruntime_genai['unsupported']}")
+    lines = ["## Serving (ONNX)", "",
              f"- graph: `{g['files'][0]}`{' + external data' if g['external_data'] else ''}, {g['dtype']}, "
              f"opset {g['opset']}, {g['bytes'] / 1e6:.1f} MB, KV cache as past_key_values.*/present.*",
              f"- `./launch.sh` or `serve .` starts `ort_server.py` (onnxruntime, OpenAI-compatible "
              f"`/v1/completions`, continuous batching); `Dockerfile` does the same on python:3.12-slim",
              genai_line,
-             f"- validated against {c['reference']} on onnxruntime {e['tested_with'].split()[1]}: "
+             f"- validated against {c['reference']} on onnxruntime {e.tested_with.split()[1]}: "
              f"prefill logits max |diff| {c['prefill']['logits_max_abs_diff']:.2e}, decode "
              f"{c['decode']['logits_max_abs_diff']:.2e} (tolerance {c['tolerance_of_scale']:g} x the largest logit{loosened}); greedy "
              f"{greedy['matched']}/{greedy['tokens']} tokens identical{tie}",
              *as_written,
              f"- export {c['export_s']:.1f} s, validation {c['validate_s']:.1f} s",
-             f"- internal check: {report.check_reference(manifest.get('method', {}))} vs physically pruned logits differ by at most "
-             f"{manifest['checks'].get('masked_vs_pruned_max_abs_logit_diff', float('nan')):.2e}", ""]
+             *([f"- internal check: {check}"] if check else []), ""]
     return "\n".join(lines)

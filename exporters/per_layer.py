@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from core.manifest import Manifest
 from exporters import decilm
 from exporters import vllm as vllm_export
 from exporters.plugin import register_transformers
@@ -81,9 +82,10 @@ def engine_section(fmt: str, target_kind: str, max_model_len: int, served_model_
     return e
 
 
-def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report_md: str, fmt: str,
+def write_package(tmp: Path, out: Path, model, tokenizer, manifest: Manifest, report_md: str, fmt: str,
                   dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Fill `tmp` like exporters.vllm does, plus the model code; rename to `out` when complete."""
+    """Fill `tmp` like exporters.vllm does, plus the model code and the report's per-layer
+    section; rename to `out` when complete."""
     for f in REMOTE_CODE:
         shutil.copy(PLUGIN_DIR / f, tmp / f)
     config_cls, model_cls = type(model.config).__name__, type(model).__name__
@@ -94,6 +96,8 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
     staged = tmp.with_name(tmp.name + "-staged")
     try:
         vllm_export.write_package(tmp, staged, model, tokenizer, manifest, report_md, dtype=dtype)
+        with open(staged / "report.md", "a") as f:  # after the Serving section, where it always was
+            f.write(report_section(manifest))
         if fmt == "plugin":
             _install_plugin_in_dockerfile(staged / "Dockerfile")
             (staged / "vllm_plugin").chmod(0o755)  # exporters.vllm sets every top-level entry to 0644
@@ -121,11 +125,11 @@ def _install_plugin_in_dockerfile(path: Path) -> None:
     path.write_text("".join(lines))
 
 
-def report_section(manifest: dict) -> str:
-    meth, engine = manifest["method"], manifest["engine"]
+def report_section(manifest: Manifest) -> str:
+    meth, engine = manifest.method, manifest.engine
     lines = ["", "## Per-layer layout", "",
              f"- format: **{meth['format']}** — {meth['format_reason']}",
-             f"- engine requirement: {engine['requires']}",
+             f"- engine requirement: {engine.requires}",
              "- retention is met over all blocks to within a run of channels (DDP's budget binarisation; "
              "every MLP width a multiple the kernels take); the shape table above shows the mean block.", "",
              "| layer | query heads | KV heads | MLP channels |", "|---|---|---|---|"]

@@ -7,7 +7,9 @@ The package is a plain Hugging Face directory (vLLM serves it as `--model PACKAG
 other files are ignored by engines:
   manifest.json  what `serve` and `bench` read (and nothing else): source, target, method,
                  retention, measured quality, engine requirement and recommended arguments
-  report.md      the same for a person, with the planner's reasoning
+                 (core/manifest.py)
+  report.md      the same for a person, with the planner's reasoning; this module adds its
+                 Serving section (`report_section`)
   launch.sh      starts vLLM's OpenAI-compatible server from this directory
   Dockerfile     the same on an official vLLM image (template in docker/)
 """
@@ -20,14 +22,15 @@ from pathlib import Path
 
 import torch
 
+from core.engines import DEFAULT_VLLM, server_command
+from core.manifest import Engine, Manifest
+
 DOCKER_DIR = Path(__file__).resolve().parents[1] / "docker"
-from runtime.package import MANIFEST, SCHEMA, server_command
 
 
-def image_version(engine: dict) -> str:
+def image_version(engine: Engine) -> str:
     """The official vLLM image the package's Dockerfile builds on (2:4 packages name an older one)."""
-    from optimizer.plan import DEFAULT_VLLM
-    return engine.get("image_version", DEFAULT_VLLM)
+    return engine.image_version or DEFAULT_VLLM
 
 
 def recommended_args(target_kind: str, max_model_len: int) -> list[str]:
@@ -80,7 +83,7 @@ def _cast_unquantized(model, dtype: torch.dtype) -> None:
                 t.data = t.data.to(dtype)
 
 
-def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report_md: str,
+def write_package(tmp: Path, out: Path, model, tokenizer, manifest: Manifest, report_md: str,
                   dtype: torch.dtype = torch.bfloat16, config_extra: dict | None = None,
                   finish_checkpoint=None) -> Path:
     """Fill `tmp` and rename it to `out`. The caller removes `tmp` if this raises.
@@ -88,7 +91,8 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
     `config_extra` is merged into config.json as written (e.g. a compressed-tensors
     `quantization_config`), where transformers' config object would reinterpret it.
     `finish_checkpoint(tmp)` then rewrites the checkpoint as the source family's (the adapter's:
-    Phi-3's fused projections).
+    Phi-3's fused projections). `report_md` is the report up to its plan; the Serving section
+    is added here.
     """
     compressor = None
     if any(getattr(m, "quantization_scheme", None) is not None for m in model.modules()):
@@ -108,20 +112,41 @@ def write_package(tmp: Path, out: Path, model, tokenizer, manifest: dict, report
     if finish_checkpoint is not None:
         finish_checkpoint(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    (tmp / "report.md").write_text(report_md)
-    engine = manifest["engine"]
-    _write_launcher(tmp, engine)
-    _write_dockerfile(tmp, manifest["target"]["kind"], engine)
+    manifest.write(tmp)
+    (tmp / "report.md").write_text(f"{report_md}\n\n{report_section(manifest)}")
+    _write_launcher(tmp, manifest.engine)
+    _write_dockerfile(tmp, manifest.target.kind, manifest.engine)
     for f in tmp.iterdir():
         f.chmod(0o755 if f.name == "launch.sh" else 0o644)
     os.replace(tmp, out.expanduser().resolve())
     return out
 
 
-def _write_launcher(tmp: Path, engine: dict) -> None:
-    env = "".join(f'export {k}="${{{k}:-{v}}}"\n' for k, v in engine.get("env", {}).items())
-    cmd = " ".join(server_command('"$HERE"', engine["served_model_name"], engine["args"],
+def internal_check(m: Manifest) -> str | None:
+    """The report's line on the job's own check of the physically pruned model: against what,
+    and how far apart (checks.masked_vs_pruned_max_abs_logit_diff); None where there is none."""
+    diff = m.checks.get("masked_vs_pruned_max_abs_logit_diff")
+    if diff is None:
+        return None
+    reference = ("masked (removed experts' router logits at -inf)" if "experts" in m.method else
+                 "the dense model skipping the removed blocks" if "blocks" in m.method else "masked")
+    return f"{reference} vs physically pruned logits differ by at most {diff:.2e}"
+
+
+def report_section(m: Manifest) -> str:
+    """The Serving section of a vLLM package's report.md."""
+    eng, check = m.engine, internal_check(m)
+    needs = f"; needs {eng.requires}" if eng.requires is not None else ""
+    return "\n".join(["## Serving", "",
+                      f"- engine: {eng.name} (tested with {eng.tested_with}){needs}",
+                      f"- `./launch.sh` or `serve .` starts the OpenAI-compatible server with `{' '.join(eng.args)}`",
+                      f"- `Dockerfile` builds the same on the official vLLM image v{image_version(eng)}",
+                      *([f"- internal check: {check}"] if check else []), ""])
+
+
+def _write_launcher(tmp: Path, engine: Engine) -> None:
+    env = "".join(f'export {k}="${{{k}:-{v}}}"\n' for k, v in engine.env.items())
+    cmd = " ".join(server_command('"$HERE"', engine.served_model_name, engine.args,
                                   python='"${PYTHON:-python3}"'))
     text = ("#!/usr/bin/env sh\n"
             "# Serve this package with vLLM's OpenAI-compatible server. Extra arguments go to vLLM,\n"
@@ -134,10 +159,10 @@ def _write_launcher(tmp: Path, engine: dict) -> None:
     path.chmod(0o755)
 
 
-def _write_dockerfile(tmp: Path, target_kind: str, engine: dict) -> None:
+def _write_dockerfile(tmp: Path, target_kind: str, engine: Engine) -> None:
     template = DOCKER_DIR / ("vllm-cpu.Dockerfile" if target_kind == "cpu" else "vllm-gpu.Dockerfile")
-    entry = server_command("/package", engine["served_model_name"], engine["args"], python="python3")
-    env = "".join(f"ENV {k}={v}\n" for k, v in engine.get("env", {}).items())
+    entry = server_command("/package", engine.served_model_name, engine.args, python="python3")
+    env = "".join(f"ENV {k}={v}\n" for k, v in engine.env.items())
     text = (template.read_text().replace("{{ENTRYPOINT}}", json.dumps(entry)).replace("{{ENV}}", env)
             .replace("{{VLLM_VERSION}}", "v" + image_version(engine)))
     (tmp / "Dockerfile").write_text(text)

@@ -2,29 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-import sys
-
 import click
 
-from optimizer.errors import Terminated, UserError
-
-
-def one_line_errors(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except UserError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted; no output was written", err=True)
-            sys.exit(130)
-        except Terminated:
-            click.echo("terminated (SIGTERM); no output was written", err=True)
-            sys.exit(143)
-    return wrapper
+from core.errors import UserError, one_line_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

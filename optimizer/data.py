@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from optimizer.errors import UserError
+from core.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from core.manifest import Manifest
 from optimizer import plan as planner
 from optimizer.errors import UserError
 from optimizer.job import MAX_MODEL_LEN, Decision, Job
@@ -182,6 +183,6 @@ class Depth:
         return {"format": cfg.format, "method": method, "size": size, "engine": engine, "prediction": prediction,
                 "checks": {"masked_vs_pruned_max_abs_logit_diff": decision.extra["max_diff"]}}
 
-    def export(self, job: Job, pruned, manifest: dict, quantized=None) -> None:
+    def export(self, job: Job, pruned, manifest: Manifest, quantized=None) -> None:
         from optimizer.structured import Structured
         Structured().export(job, pruned, manifest)  # the uniform layout's exporters, as they are

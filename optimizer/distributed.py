@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 
-from optimizer.errors import UserError
+from core.errors import UserError
 
 
 # Ranks > 0 wait in a collective while rank 0 alone evaluates the dense model and writes the

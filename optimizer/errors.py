@@ -1,9 +1,3 @@
-"""The one exception type the CLI turns into a one-line message and a non-zero exit."""
+"""optimizer's name for core.errors (the exceptions moved there so exporters and serve need not import optimizer)."""
 
-
-class UserError(Exception):
-    """Bad input or an environment problem the user can fix; the message is shown as is."""
-
-
-class Terminated(BaseException):
-    """SIGTERM during a job: like KeyboardInterrupt, it unwinds through every cleanup."""
+from core.errors import Terminated, UserError  # noqa: F401

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
+from core.manifest import Manifest
 from exporters import vllm as vllm_export
 from optimizer import plan as planner
 from optimizer import report
@@ -105,7 +106,7 @@ class Experts:
                 "checks": {"masked_vs_pruned_max_abs_logit_diff": decision.extra["max_diff"]}}
 
     # --- export -----------------------------------------------------------------------------------
-    def export(self, job: Job, pruned, manifest: dict, quantized=None) -> None:
+    def export(self, job: Job, pruned, manifest: Manifest, quantized=None) -> None:
         vllm_export.write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render_experts(manifest),
                                   finish_checkpoint=job.finish_checkpoint)
 

@@ -24,6 +24,10 @@ method writes into job.model); each gets the job and what the previous stage ret
     export(job, m, manifest, q) → None       write the package into job.tmp and rename it to
                                              job.out (an exporter's write_package does both);
                                              q: the quantize stage's report, or None.
+                                             `manifest` is a core.manifest.Manifest; the kind
+                                             passes it and the report up to its plan
+                                             (optimizer/report.py), and the exporter adds its
+                                             own sections to both before writing each once.
 
 The stages between surgery and evaluation are functions of the model and typed settings that
 return the model (same shapes) and a report; they write into nothing else:
@@ -61,11 +65,11 @@ from typing import Callable
 
 import torch
 
-from exporters import vllm as vllm_export
+from core.errors import UserError
+from core.manifest import Engine, Manifest, Plan, Source, Target, Tool
 from optimizer import data, distributed, evaluate, heal_data, load, quantize, training
 from optimizer import heal as heal_stage
 from optimizer.config import OptimizeConfig
-from optimizer.errors import UserError
 
 TOOL_VERSION = "0.1.0"
 MAX_MODEL_LEN = 2048          # the packages' --max-model-len
@@ -120,6 +124,7 @@ class Job:
 
     # --- the skeleton ------------------------------------------------------------------------
     def run(self, kind) -> dict:
+        """{"plan", "manifest" (the package's, as written), "out"}."""
         main = distributed.is_main()   # several processes: only rank 0 evaluates and writes
         self.load()
         self.calibrate()
@@ -287,32 +292,30 @@ class Job:
         return load.cache_dir() / "runs" / f"{kind}-{key}.pt"
 
     # --- the manifest ---------------------------------------------------------------------------
-    def manifest(self, sections: dict, quality: dict, heal: dict | None = None, quant: dict | None = None) -> dict:
-        """The manifest every package carries; `sections` (method, size, engine, checks, format)
-        come from the kind."""
+    def manifest(self, sections: dict, quality: dict, heal: dict | None = None, quant: dict | None = None) -> Manifest:
+        """The manifest every package carries; `sections` (method, size, engine, checks, format,
+        and the achieved shape's prediction) come from the kind, `heal` and `quant` from those stages."""
         t, plan = self.target, self.plan
         prediction = sections.pop("prediction", plan.prediction)  # of the achieved shape, where the kind has it
-        return {
-            "schema": vllm_export.SCHEMA,
-            "format": sections.pop("format", "vllm"),
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "tool": {"name": "llm-deploy-optimizer", "version": TOOL_VERSION},
-            "source": {"model": self.source.description, "hf_dir": str(self.source.hf_dir),
-                       "architecture": self.architecture, "family": self.adapter.family},
-            "target": {"name": t.name, "display_name": t.display_name, "kind": t.kind,
-                       "compute_capability": t.compute_capability},
-            "method": sections["method"],
-            "quality": quality,
-            "size": self._size(sections["size"], quant),
-            "plan": {"text": plan.text(prediction), "reasons": plan.reasons, "prediction": prediction,
-                     "engine": plan.engine, "engine_version": plan.engine_version},
-            "engine": sections["engine"],
-            "checks": sections["checks"],
-            **({"heal": heal} if heal else {}),
-            **({"quantization": quant} if quant else {}),
-            "wall_s": round(time.time() - self.started, 1),
-        }
-
+        return Manifest(
+            format=sections.pop("format", "vllm"),
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            tool=Tool(version=TOOL_VERSION),
+            source=Source(model=self.source.description, hf_dir=str(self.source.hf_dir),
+                          architecture=self.architecture, family=self.adapter.family),
+            target=Target(name=t.name, display_name=t.display_name, kind=t.kind,
+                          compute_capability=t.compute_capability),
+            method=sections["method"],
+            quality=quality,
+            size=self._size(sections["size"], quant),
+            plan=Plan(text=plan.text(prediction), reasons=plan.reasons, prediction=prediction,
+                      engine=plan.engine, engine_version=plan.engine_version),
+            engine=Engine.from_dict(sections["engine"]),
+            checks=sections["checks"],
+            heal=heal or None,
+            quantization=quant or None,
+            wall_s=round(time.time() - self.started, 1),
+        )
 
     def finish_checkpoint(self, directory: Path) -> None:
         """The written checkpoint as the source's family writes it (the adapter's rewrite: Phi-3's

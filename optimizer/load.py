@@ -20,7 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from optimizer.errors import UserError
+from core.errors import UserError
+from core.manifest import TOOL_NAME, Manifest, is_package
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -260,12 +261,11 @@ def _restore_digit_splitting(tok) -> None:
 def _our_per_layer_package(path: Path) -> bool:
     """A per-layer package this tool wrote carries its own model code (modeling_per_layer.py,
     our plugin class); that code, and only that, is trusted without asking."""
-    manifest = path / "manifest.json"
-    if not (manifest.is_file() and (path / "modeling_per_layer.py").is_file()):
+    if not (is_package(path) and (path / "modeling_per_layer.py").is_file()):
         return False
     try:
-        return json.loads(manifest.read_text()).get("tool", {}).get("name") == "llm-deploy-optimizer"
-    except (OSError, ValueError):
+        return Manifest.read(path).tool.name == TOOL_NAME
+    except (OSError, UserError):
         return False
 
 

@@ -36,8 +36,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from core.errors import UserError
 from optimizer.adapters.mixtral import MoEAdapter, MoEParts
-from optimizer.errors import UserError
 from optimizer.surgery import build_model
 
 

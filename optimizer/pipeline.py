@@ -11,11 +11,11 @@ import contextlib
 from pathlib import Path
 from typing import Callable
 
+from core.errors import UserError
 from optimizer import budget, distributed, load, plan as planner, profiles, sparsity
 from optimizer.adapters import MoEAdapter, get_adapter, onnx_families
 from optimizer.config import (DataConfig, DDPSettings, HealSettings, OptimizeConfig, RefitSettings, RoISettings,
                               SISettings, validate)
-from optimizer.errors import UserError
 from optimizer.job import Job, staged
 from optimizer.moe_surgery import expert_width_to_keep, experts_to_keep
 
@@ -53,7 +53,8 @@ def _whole_blocks_prediction(target, adapter, hf_config, retain: float, plan) ->
 
 
 def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = print) -> dict:
-    """Prune (and package) the model `cfg` names. Returns {"plan", "manifest", "out"}, or
+    """Prune (and package) the model `cfg` names. Returns {"plan", "manifest" (the package's
+    core.manifest.Manifest), "out"}, or
     {"plan", "dry_run": True} when `dry_run`; bad input raises UserError before any compute."""
     validate(cfg)
     distributed.start(cfg.heal.device, cfg.threads)  # under torchrun: join the process group before any work

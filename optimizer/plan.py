@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.engines import DEFAULT_VLLM, installed_vllm_version  # noqa: F401  (the planner's default engine version)
+from core.errors import UserError
 from optimizer.adapters import BlockShape, DecoderAdapter
-from optimizer.errors import UserError
 from optimizer.profiles import QUANT_NAMES, Profile
-from runtime.package import installed_vllm_version  # noqa: F401  (the planner's default engine version)
 
 # auto / structured → the planner's structured method: the one-shot activation method, then
 # heal (auto on a target with a measured per-block cost may remove whole blocks instead:
@@ -38,7 +38,6 @@ ONE_SHOT = ("magnitude", "wanda", "sparsegpt")
 SPARSE_METHODS = (*ONE_SHOT, *(f"si+{m}" for m in ONE_SHOT), "roi")
 SEMI_STRUCTURED = "sparsegpt"   # auto's choice where a 2:4 kernel serves the package
 METHODS = ("auto", "structured", "semi-structured", *STRUCTURED_METHODS, DEPTH, *SPARSE_METHODS)
-DEFAULT_VLLM = "0.32.0"
 
 
 def is_sparse(method: str) -> bool:

@@ -19,7 +19,7 @@ import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from optimizer.errors import UserError
+from core.errors import UserError
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "profiles"
 

@@ -1,8 +1,9 @@
-"""The package's report.md: what was done, why, and what was measured, for a person."""
+"""The package's report.md, for a person: what was done, why, and what was measured, up to the
+plan. The exporter adds its serving section (exporters/vllm.py, exporters/onnx.py)."""
 
 from __future__ import annotations
 
-from exporters.vllm import image_version
+from core.manifest import Manifest
 
 
 def _perplexity_line(q: dict | None) -> str:
@@ -16,13 +17,13 @@ def _perplexity_line(q: dict | None) -> str:
     return line + "."
 
 
-def _zeroshot_lines(m: dict) -> list[str]:
-    z = m["quality"].get("zeroshot")
+def _zeroshot_lines(m: Manifest) -> list[str]:
+    z = m.quality.get("zeroshot")
     if not z:
         return []
-    before = (m.get("heal") or {}).get("before", {}).get("zeroshot")
+    before = (m.heal or {}).get("before", {}).get("zeroshot")
     tasks = z["tasks"]
-    last = "pruned, quantized" if m.get("quantization") else "pruned"
+    last = "pruned, quantized" if m.quantization else "pruned"
     rows = [("dense", z["dense"]), *((("before healing", before),) if before else ()), (last, z["pruned"])]
     lines = ["", f"Zero-shot accuracy ({z['limit']} seeded documents a task, seed {z['seed']}):", "",
              "| | " + " | ".join(tasks) + " | mean |", "|---" * (len(tasks) + 2) + "|"]
@@ -31,11 +32,11 @@ def _zeroshot_lines(m: dict) -> list[str]:
     return lines
 
 
-def _quant_lines(m: dict) -> list[str]:
-    q = m.get("quantization")
+def _quant_lines(m: Manifest) -> list[str]:
+    q = m.quantization
     if not q:
         return []
-    size = m["size"]
+    size = m.size
     per_value = q.get("bytes_per_value", 2)
     rest, dense = ("fp32", "fp32") if per_value == 4 else ("16-bit", "bf16")
     return [f"- quantization: {q['scheme']} ({q['precision']}: weights {q['weights']}, activations "
@@ -53,11 +54,11 @@ def _recipe(c: dict) -> str:
     return f"{opt} at {c['lr']:g}" + (", activations recomputed per block" if c.get("checkpointing") else "")
 
 
-def _heal_lines(m: dict) -> list[str]:
-    h = m.get("heal")
+def _heal_lines(m: Manifest) -> list[str]:
+    h = m.heal
     if not h:
         return []
-    q = m["quality"].get("perplexity")
+    q = m.perplexity
     b, a = h["before"], h["after"]
     lines = ["", "## Healing", "",
              f"Distilled from the dense model on {h['data']}: {h['tokens']:,} tokens in {h['steps']} steps "
@@ -115,28 +116,17 @@ def _blocks_lines(meth: dict) -> list[str]:
             "| kept | " + " | ".join("yes" if i in b["kept"] else "—" for i in range(b["dense"])) + " |"]
 
 
-def _serving_lines(eng: dict, check: str | None = None) -> list[str]:
-    """The Serving section of a vLLM package's report (`check`: what the internal check compared)."""
-    needs = f"; needs {eng['requires']}" if "requires" in eng else ""
-    return ["## Serving", "",
-            f"- engine: {eng['name']} (tested with {eng['tested_with']}){needs}",
-            f"- `./launch.sh` or `serve .` starts the OpenAI-compatible server with `{' '.join(eng['args'])}`",
-            f"- `Dockerfile` builds the same on the official vLLM image v{image_version(eng)}",
-            *([f"- internal check: {check}"] if check else []), ""]
+def _head(m: Manifest) -> list[str]:
+    return [f"# {m.engine.served_model_name}", "",
+            f"- source: {m.source.model} ({m.source.architecture})",
+            f"- target: {m.target.display_name} (`{m.target.name}`)"]
 
 
-def check_reference(meth: dict) -> str:
-    """What the physically pruned model was checked against (manifest checks.masked_vs_pruned_...)."""
-    return "the dense model skipping the removed blocks" if "blocks" in meth else "masked"
-
-
-def render(m: dict) -> str:
-    meth, size, q = m["method"], m["size"], m["quality"].get("perplexity")
+def render(m: Manifest) -> str:
+    """report.md of a structured or depth package, up to its plan."""
+    meth, size, q = m.method, m.size, m.perplexity
     lines = [
-        f"# {m['engine']['served_model_name']}",
-        "",
-        f"- source: {m['source']['model']} ({m['source']['architecture']})",
-        f"- target: {m['target']['display_name']} (`{m['target']['name']}`)",
+        *_head(m),
         f"- method: {meth['name']} ({meth['plan']}, {meth['layout']} layout, seed {meth['seed']})",
         f"- retention of block parameters: requested {meth['retain_requested']:.2f}, "
         f"achieved {meth['retain_achieved']:.3f}",
@@ -154,23 +144,18 @@ def render(m: dict) -> str:
         *(_blocks_lines(meth) if "blocks" in meth else _shape_lines(meth)),
     ]
     lines += ["", "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m)]
-    lines += ["", "## Plan", "", "```", m["plan"]["text"], "```", "",
+    lines += ["", "## Plan", "", "```", m.plan.text, "```", "",
               "The roofline is a prediction from the target's datasheet numbers; "
-              "`bench PACKAGE --baseline MODEL` measures the real ratio on your hardware.", "",
-              *_serving_lines(m["engine"], f"{check_reference(meth)} vs physically pruned logits differ by at "
-                                           f"most {m['checks']['masked_vs_pruned_max_abs_logit_diff']:.2e}")]
+              "`bench PACKAGE --baseline MODEL` measures the real ratio on your hardware."]
     return "\n".join(lines)
 
 
-def render_experts(m: dict) -> str:
-    """report.md of an MoE package: experts removed, what that saves and what it does not."""
-    meth, size, q, eng = m["method"], m["size"], m["quality"].get("perplexity"), m["engine"]
-    e, p = meth["experts"], m["plan"]["prediction"]
+def render_experts(m: Manifest) -> str:
+    """report.md of an MoE package, up to its plan: experts removed, what that saves and what it does not."""
+    meth, size, q = m.method, m.size, m.perplexity
+    e, p = meth["experts"], m.plan.prediction
     lines = [
-        f"# {eng['served_model_name']}",
-        "",
-        f"- source: {m['source']['model']} ({m['source']['architecture']})",
-        f"- target: {m['target']['display_name']} (`{m['target']['name']}`)",
+        *_head(m),
         f"- method: {meth['name']} (routed experts removed, the same number in each of "
         f"{len(e['moe_layers'])} MoE layers; seed {meth['seed']})",
         f"- experts: {e['kept']} of {e['dense']} kept per MoE layer, top-{e['top_k']} routing unchanged"
@@ -196,30 +181,25 @@ def render_experts(m: dict) -> str:
         f"narrowing them does). It lowers the bytes a step reads once a batch reaches more experts than are left: the roofline "
         f"predicts {p['decode_speedup_b1']:.2f}x at batch 1 and {p['decode_speedup_b16']:.2f}x at batch 16.",
         "", "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m),
-        "", "## Plan", "", "```", m["plan"]["text"], "```", "",
-        *_serving_lines(eng, f"masked (removed experts' router logits at -inf) vs physically pruned logits "
-                             f"differ by at most {m['checks']['masked_vs_pruned_max_abs_logit_diff']:.2e}")]
+        "", "## Plan", "", "```", m.plan.text, "```"]
     return "\n".join(lines)
 
 
-def render_sparse(m: dict) -> str:
-    """report.md of a semi-structured package: the pattern, and whether any engine will use it."""
-    meth, q, eng = m["method"], m["quality"].get("perplexity"), m["engine"]
-    sparse = eng.get("sparse24", {})
+def render_sparse(m: Manifest) -> str:
+    """report.md of a semi-structured package, up to its plan: the pattern, and whether any engine will use it."""
+    meth, q = m.method, m.perplexity
+    sparse = m.engine.sparse24 or {}
     if sparse.get("config_written"):
         speed = (f"The config carries compressed-tensors' `sparsity_config` (2:4, dense storage), so vLLM "
-                 f"{' or '.join(sparse['kernel_versions'])} on {m['target']['display_name']} runs the blocks' "
+                 f"{' or '.join(sparse['kernel_versions'])} on {m.target.display_name} runs the blocks' "
                  f"matmuls on its 2:4 sparse kernel. Other vLLM versions refuse that config; `serve` then "
                  f"adds `{' '.join(sparse['dense_fallback_args'])}` and serves the weights densely.")
     else:
-        speed = (f"**No speedup is to be expected**: {m['plan']['reasons'][0]}. The package stores "
+        speed = (f"**No speedup is to be expected**: {m.plan.reasons[0]}. The package stores "
                  f"{meth['sparsity']} zeros in an ordinary dense checkpoint, which every engine loads and runs "
                  f"as dense matmuls. For a faster model on this target use `--method structured`.")
     lines = [
-        f"# {eng['served_model_name']}",
-        "",
-        f"- source: {m['source']['model']} ({m['source']['architecture']})",
-        f"- target: {m['target']['display_name']} (`{m['target']['name']}`)",
+        *_head(m),
         f"- method: {meth['name']}, sparsity {meth['sparsity']} in every Linear of the blocks "
         f"(embeddings and LM head dense), seed {meth['seed']}",
         f"- zeros: {meth['zero_fraction']:.3f} of {meth['pruned_linear_params']:,} block weights; "
@@ -230,6 +210,5 @@ def render_sparse(m: dict) -> str:
         "## Speed", "", speed, "",
         "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m),
     ]
-    lines += ["", "## Plan", "", "```", m["plan"]["text"], "```", "",
-              *_serving_lines(eng)]
+    lines += ["", "## Plan", "", "```", m.plan.text, "```"]
     return "\n".join(lines)

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from core.manifest import Manifest
 from exporters import vllm as vllm_export
 from optimizer import plan as planner
 from optimizer import report
@@ -77,10 +78,10 @@ class SemiStructured:
         }
 
     # --- export: an ordinary checkpoint, with the 2:4 config where the engine has the kernel -----------
-    def export(self, job: Job, model, manifest: dict, quantized=None) -> None:
+    def export(self, job: Job, model, manifest: Manifest, quantized=None) -> None:
         config_extra = None
         if job.plan.sparse_kernel:
-            config_extra = vllm_export.sparse24_quantization_config(manifest["checks"]["zero_fraction"])
+            config_extra = vllm_export.sparse24_quantization_config(manifest.checks["zero_fraction"])
         vllm_export.write_package(job.tmp, job.out, model, job.tok, manifest, report.render_sparse(manifest),
                                   config_extra=config_extra, finish_checkpoint=job.finish_checkpoint)
 

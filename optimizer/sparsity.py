@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from optimizer.errors import UserError
+from core.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 from tqdm import tqdm
 
+from core.manifest import Manifest
 from exporters import per_layer as per_layer_export
 from exporters import vllm as vllm_export
 from optimizer import budget, report
@@ -113,11 +114,10 @@ class Structured:
                 "checks": {"masked_vs_pruned_max_abs_logit_diff": x["max_diff"]}}
 
     # --- export -----------------------------------------------------------------------------------
-    def export(self, job: Job, pruned, manifest: dict, quantized=None) -> None:
+    def export(self, job: Job, pruned, manifest: Manifest, quantized=None) -> None:
         if job.cfg.layout == "per-layer":
-            per_layer_export.write_package(job.tmp, job.out, pruned, job.tok, manifest,
-                                           report.render(manifest) + per_layer_export.report_section(manifest),
-                                           manifest["method"]["format"])
+            per_layer_export.write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render(manifest),
+                                           manifest.method["format"])
         else:
             exporter(job.cfg.format).write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render(manifest),
                                                    **({"dtype": job.cfg.onnx_dtype,  # and the INT8 activation hooks

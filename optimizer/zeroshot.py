@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from optimizer.errors import UserError
+from core.errors import UserError
 
 DEFAULT_TASKS = ("arc_easy", "piqa", "hellaswag", "boolq", "winogrande")
 VARIANT = "rc_0shot"

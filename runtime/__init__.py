@@ -1,4 +1,3 @@
-"""What a package needs at serving time, shared by the side that writes packages (exporters/)
-and the side that serves them (serve/), so neither imports the other: the manifest's name and
-schema, the engine's server command, and the onnxruntime server an ONNX package carries a copy
-of (`ort_server.py`, standalone: numpy, onnxruntime and tokenizers only)."""
+"""What an ONNX package runs at serving time: `ort_server.py`, which the package carries a copy
+of and which needs only numpy, onnxruntime and tokenizers (so it reads manifest.json as plain
+JSON, not through core.manifest, which the package does not carry)."""

@@ -14,17 +14,10 @@ from typing import NamedTuple
 
 import click
 
-from optimizer.cli import one_line_errors
-from optimizer.errors import UserError
+from core.engines import installed_vllm_version
+from core.errors import UserError, one_line_errors
+from core.manifest import Engine, Manifest, is_package
 from serve import launch, loadgen, report
-
-
-def _manifest(package: str) -> dict:
-    try:
-        return launch.read_manifest(package)
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(str(e)) from None
-
 
 # `bench` of a model directory another tool wrote (e.g. llm-compressor's W8A8): served as our vLLM
 # packages are (exporters/vllm.recommended_args at the packages' max-model-len), so that it and its
@@ -32,12 +25,12 @@ def _manifest(package: str) -> dict:
 MODEL_DIR_ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048"]
 
 
-def _manifest_or_model(package: str) -> dict:
-    """The package's manifest; for a model directory without one, what bench needs of it."""
-    if not (Path(package) / launch.MANIFEST).is_file() and (Path(package) / "config.json").is_file():
-        return {"format": "vllm", "model_dir": True,
-                "engine": {"served_model_name": Path(package).resolve().name, "args": MODEL_DIR_ARGS}}
-    return _manifest(package)
+def _manifest_or_model(package: str) -> tuple[Manifest, bool]:
+    """The package's manifest, and whether it stands in for a model directory without one (what
+    bench needs of it: a served name and the packages' engine arguments; no size, no plan)."""
+    if not is_package(package) and (Path(package) / "config.json").is_file():
+        return Manifest(engine=Engine(served_model_name=Path(package).resolve().name, args=MODEL_DIR_ARGS)), True
+    return Manifest.read(package), False
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "ignore_unknown_options": True})
@@ -55,17 +48,17 @@ def serve(package, host, port, tensor_parallel_size, print_command, vllm_args):
     An ONNX package (optimize --format onnx) is served by onnxruntime behind the same
     endpoint (runtime/ort_server.py); arguments then go to that server (e.g. `--threads 2`).
     """
-    manifest = _manifest(package)
+    manifest = Manifest.read(package)
     extra = list(vllm_args)
     if tensor_parallel_size:
-        if manifest.get("format") == "onnx":
+        if manifest.format == "onnx":
             raise UserError("-tp is vLLM tensor parallelism; an ONNX package is served by onnxruntime")
         extra += ["--tensor-parallel-size", str(tensor_parallel_size)]
     cmd = launch.package_command(package, manifest, host, port, extra)
     if print_command:
         click.echo(shlex.join(cmd))
         return
-    click.echo(f"serving {manifest['engine']['served_model_name']} on http://{host}:{port}/v1 "
+    click.echo(f"serving {manifest.engine.served_model_name} on http://{host}:{port}/v1 "
                f"({shlex.join(cmd[1:4])} ...)", err=True)
     env = launch.server_env(manifest)
     os.execvpe(cmd[0], cmd, env)
@@ -103,8 +96,8 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     a warm-up, the report is still written, a line starting with FAILED names where, and the
     exit status is 1 (0: none lost; 2: bad arguments).
     """
-    manifest = _manifest_or_model(package)
-    if manifest.get("model_dir") and baseline is None:
+    manifest, model_dir = _manifest_or_model(package)
+    if model_dir and baseline is None:
         raise UserError(f"{package}: a model directory, not a package made by optimize: name its --baseline")
     try:
         levels = sorted({int(c) for c in concurrency.split(",")})
@@ -113,7 +106,7 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     if not levels or min(levels) < 1 or rounds < 1 or repeat < 1:
         raise UserError("--concurrency levels, --rounds and --repeat must be >= 1")
     base_dir, base_manifest = _baseline(baseline, manifest)
-    name = manifest["engine"]["served_model_name"]
+    name = manifest.engine.served_model_name
     out_dir = Path(out or Path("bench-results") / name)
     extra = shlex.split(vllm_args)
     if any(a == "--port" or a.startswith("--port=") for a in extra):
@@ -122,7 +115,7 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     vocab = json.loads((Path(package) / "config.json").read_text())["vocab_size"]
     host = "127.0.0.1"
     if base_manifest is None:  # a model directory: vLLM with the package's arguments
-        dense_cmd = launch.server_command(str(base_dir), "dense", manifest["engine"]["args"]) + \
+        dense_cmd = launch.server_command(str(base_dir), "dense", manifest.engine.args) + \
             ["--host", host, "--port", str(port), *extra]
     else:
         dense_cmd = launch.package_command(base_dir, base_manifest, host, port, extra, served_name="dense")
@@ -137,7 +130,7 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
         "meta": {"package": str(Path(package).resolve()), "baseline": str(base_dir),
                  "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                  "host": platform.node(), "cpus": os.cpu_count(), "engine": _engine_version(manifest),
-                 "engine_args": manifest["engine"]["args"] + extra, "rounds": rounds, "repeat": repeat,
+                 "engine_args": manifest.engine.args + extra, "rounds": rounds, "repeat": repeat,
                  "interleave": interleave,
                  "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                  "command": " ".join(sys.argv)},
@@ -244,45 +237,43 @@ def _requests_text(res: dict) -> str:
     return f"{res['failed']} of {n} FAILED{first}"
 
 
-def ideal_ratio(manifest: dict, base_manifest: dict | None, base_dir: Path | None = None) -> float | None:
+def ideal_ratio(manifest: Manifest, base_manifest: Manifest | None, base_dir: Path | None = None) -> float | None:
     """The package's ideal speed-up over what it is compared with (its weight bytes against the
     dense model's in bf16, quantized bytes where it is quantized): both ratios are against the
     dense model, so against another package it is their quotient. Against a model directory that
     is not ours and holds a quantization_config (another tool's checkpoint) it is unknown: None."""
-    def own(m):
-        return m["size"].get("ideal_ratio_quantized", m["size"]["ideal_ratio"])
-    if "size" not in manifest:  # a model directory another tool wrote: its bytes are not ours to know
+    if manifest.ideal_ratio is None:  # a model directory another tool wrote: its bytes are not ours to know
         return None
     if base_manifest is not None:
-        return own(manifest) / own(base_manifest)
+        return manifest.ideal_ratio / base_manifest.ideal_ratio
     if base_dir is not None and (base_dir / "config.json").is_file():
         if "quantization_config" in json.loads((base_dir / "config.json").read_text()):
             return None
-    return own(manifest)
+    return manifest.ideal_ratio
 
 
-def predicted_speedups(manifest: dict, base_manifest: dict | None, base_dir: Path) -> dict | None:
+def predicted_speedups(manifest: Manifest, base_manifest: Manifest | None, base_dir: Path) -> dict | None:
     """The plan's roofline decode speedups on the package's target (batch 1 and 16, against the dense
     source model in bf16), for the report to set beside the measured ones: only where the baseline
     is that source model, which the prediction is about."""
-    pred = (manifest.get("plan") or {}).get("prediction")
-    src = (manifest.get("source") or {}).get("hf_dir")
+    pred = manifest.plan.prediction if manifest.plan else None
+    src = manifest.source.hf_dir if manifest.source else None
     if not pred or base_manifest is not None or not src or Path(src).resolve() != Path(base_dir).resolve():
         return None
     import torch
-    return {"target": manifest["target"]["name"], "kind": manifest["target"].get("kind"),
+    return {"target": manifest.target.name, "kind": manifest.target.kind,
             "host": "gpu" if torch.cuda.is_available() else "cpu",
             "prompt_tokens": pred.get("prompt_tokens"), "context_tokens": pred.get("context_tokens"),
             "decode": {"1": pred["decode_speedup_b1"], "16": pred["decode_speedup_b16"]}}
 
 
-def _baseline(baseline: str | None, manifest: dict) -> tuple[Path, dict | None]:
+def _baseline(baseline: str | None, manifest: Manifest) -> tuple[Path, Manifest | None]:
     """The baseline's directory, and its manifest when it is a package (served by its own format)."""
-    fmt = manifest.get("format", "vllm")
-    if baseline is not None and (Path(baseline) / launch.MANIFEST).is_file():
-        base_manifest = _manifest(baseline)
-        if base_manifest.get("format", "vllm") != fmt:
-            raise UserError(f"the baseline package is {base_manifest.get('format', 'vllm')} and the package is {fmt}: "
+    fmt = manifest.format
+    if baseline is not None and is_package(baseline):
+        base_manifest = Manifest.read(baseline)
+        if base_manifest.format != fmt:
+            raise UserError(f"the baseline package is {base_manifest.format} and the package is {fmt}: "
                             "compare packages of the same format")
         return Path(baseline).resolve(), base_manifest
     if fmt == "onnx":
@@ -291,19 +282,20 @@ def _baseline(baseline: str | None, manifest: dict) -> tuple[Path, dict | None]:
     return _baseline_dir(baseline, manifest), None
 
 
-def _baseline_dir(baseline: str | None, manifest: dict) -> Path:
-    from optimizer import load
+def _baseline_dir(baseline: str | None, manifest: Manifest) -> Path:
+    from optimizer import load  # a dense model by name (hub id, GGUF, 'embedded'): the product's public loader
     if baseline is None:
-        path = Path(manifest["source"]["hf_dir"])
+        if manifest.source is None or not manifest.source.hf_dir:
+            raise UserError("the package names no source model; pass --baseline MODEL")
+        path = Path(manifest.source.hf_dir)
         if (path / "config.json").is_file():
             return path
         raise UserError(f"the package's source {path} is not on this machine; pass --baseline MODEL")
     return load.resolve(None if baseline in ("embedded", "default") else baseline).hf_dir
 
 
-def _engine_version(manifest: dict) -> str:
-    if manifest.get("format") == "onnx":
+def _engine_version(manifest: Manifest) -> str:
+    if manifest.format == "onnx":
         import onnxruntime
         return f"onnxruntime {onnxruntime.__version__}"
-    from serve.launch import installed_vllm_version
     return f"vllm {installed_vllm_version() or 'unknown'}"

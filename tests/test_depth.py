@@ -95,16 +95,16 @@ def test_optimize_depth_writes_a_healed_int8_package_with_fewer_blocks(tmp_path,
                                 heal=HealSettings(tokens=256, seq_len=64, batch=2, chat=0, data=[str(heal_text)])),
                  log=lambda *_: None)
     m = r["manifest"]
-    blocks = m["method"]["blocks"]
-    assert m["method"]["name"] == "depth" and len(blocks["kept"]) == 3 and blocks["kept"][0] == 0
+    blocks = m.method["blocks"]
+    assert m.method["name"] == "depth" and len(blocks["kept"]) == 3 and blocks["kept"][0] == 0
     assert blocks["kept"][-1] == LAYERS - 1 and sorted(blocks["kept"] + blocks["removed"]) == list(range(LAYERS))
-    assert m["method"]["retain_achieved"] == pytest.approx(0.5)
-    assert m["quantization"]["precision"] == "int8" and m["heal"]["steps"] >= 1
-    assert m["checks"]["masked_vs_pruned_max_abs_logit_diff"] < 1e-3
+    assert m.method["retain_achieved"] == pytest.approx(0.5)
+    assert m.quantization["precision"] == "int8" and m.heal["steps"] >= 1
+    assert m.checks["masked_vs_pruned_max_abs_logit_diff"] < 1e-3
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 3 and config["layer_types"] == [MIXED[i] for i in blocks["kept"]]
     assert "## Blocks" in (out / "report.md").read_text()
-    assert m["plan"]["prediction"]["weight_bytes_ratio"] > 1
+    assert m.plan.prediction["weight_bytes_ratio"] > 1
     model, _ = load.load_model(load.resolve(str(out)))  # the compressed-tensors package reads back
     assert len(model.model.layers) == 3
 
@@ -180,7 +180,7 @@ def test_a_depth_package_of_phi3_and_an_onnx_one_load_back_with_fewer_blocks(tmp
                                 data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=2,
                                                 eval_windows=1, seq_len=64),
                                 heal=HealSettings(tokens=0), quant="none"), log=lambda *_: None)["manifest"]
-    kept = m["method"]["blocks"]["kept"]
+    kept = m.method["blocks"]["kept"]
     assert len(kept) == 3 and json.loads((out / "config.json").read_text())["num_hidden_layers"] == 3
     if fmt == "vllm":
         model, _ = load.load_model(load.resolve(str(out)))

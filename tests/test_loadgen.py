@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from core.manifest import MANIFEST, SCHEMA, Manifest, Plan, Source, Target
 from serve import loadgen
 from serve.loadgen import LoadSpec, complete, make_prompts, run_load, wait_for_server
 
@@ -391,9 +392,9 @@ def test_markdown_plot_and_write_report(tmp_path):
 
 def test_ideal_ratio_against_another_package_is_the_quotient_of_both_ideals():
     from serve.cli import ideal_ratio
-    pkg = {"size": {"ideal_ratio": 1.33}}
+    pkg = Manifest(size={"ideal_ratio": 1.33})
     assert ideal_ratio(pkg, None) == 1.33  # against the dense model
-    assert ideal_ratio(pkg, {"size": {"ideal_ratio": 1.32}}) == pytest.approx(1.33 / 1.32)
+    assert ideal_ratio(pkg, Manifest(size={"ideal_ratio": 1.32})) == pytest.approx(1.33 / 1.32)
 
 
 def test_the_plans_prediction_stands_beside_the_measured_decode_speedup(tmp_path):
@@ -403,13 +404,13 @@ def test_the_plans_prediction_stands_beside_the_measured_decode_speedup(tmp_path
     from serve.report import write_report
     src = tmp_path / "src"
     src.mkdir()
-    manifest = {"target": {"name": "cpu", "kind": "cpu"}, "source": {"hf_dir": str(src)},
-                "plan": {"prediction": {"prompt_tokens": 512, "context_tokens": 512,
-                                        "decode_speedup_b1": 1.9, "decode_speedup_b16": 1.4}}}
+    manifest = Manifest(target=Target(name="cpu", kind="cpu"), source=Source(hf_dir=str(src)),
+                        plan=Plan(prediction={"prompt_tokens": 512, "context_tokens": 512,
+                                              "decode_speedup_b1": 1.9, "decode_speedup_b16": 1.4}))
     predicted = predicted_speedups(manifest, None, src)
     assert predicted["decode"] == {"1": 1.9, "16": 1.4} and predicted["target"] == "cpu"
     assert predicted_speedups(manifest, None, tmp_path) is None  # another model: not what was predicted
-    assert predicted_speedups(manifest, {"size": {}}, src) is None  # another package
+    assert predicted_speedups(manifest, Manifest(), src) is None  # another package
     predicted["host"] = "cpu"  # as on this machine: the target's kind, so the figures stand side by side
     summary = write_report({**_synthetic_results(), "predicted": predicted}, tmp_path / "report")
     c1, c16 = summary["predicted"]["levels"]["1"], summary["predicted"]["levels"]["16"]
@@ -466,11 +467,10 @@ def test_requests_sent_succeeded_failed_per_level_and_a_failed_line():
 
 
 def _fake_package(path, ideal):
-    from serve import launch
     path.mkdir()
     (path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
-    (path / launch.MANIFEST).write_text(json.dumps({
-        "schema": launch.SCHEMA, "engine": {"served_model_name": path.name, "args": []},
+    (path / MANIFEST).write_text(json.dumps({
+        "schema": SCHEMA, "engine": {"served_model_name": path.name, "args": []},
         "size": {"ideal_ratio": ideal}}))
     return path
 
@@ -610,13 +610,14 @@ def test_bench_takes_a_model_directory_another_tool_wrote(tmp_path, tiny_dirs):
     from click.testing import CliRunner
 
     from serve.cli import MODEL_DIR_ARGS, _manifest_or_model, bench, ideal_ratio
-    m = _manifest_or_model(str(tiny_dirs["llama"]))
-    assert m["model_dir"] and m["engine"]["args"] == MODEL_DIR_ARGS and "--dtype" in MODEL_DIR_ARGS
+    m, model_dir = _manifest_or_model(str(tiny_dirs["llama"]))
+    assert model_dir and m.engine.args == MODEL_DIR_ARGS and "--dtype" in MODEL_DIR_ARGS
     assert ideal_ratio(m, None) is None
     r = CliRunner().invoke(bench, [str(tiny_dirs["llama"])])
     assert r.exit_code == 2 and "name its --baseline" in r.output and len(r.output.strip().splitlines()) == 1
     peer = tmp_path / "peer"
     peer.mkdir()
     (peer / "config.json").write_text('{"quantization_config": {"format": "int-quantized"}}')
-    assert ideal_ratio({"size": {"ideal_ratio": 1.33, "ideal_ratio_quantized": 2.08}}, None, peer) is None
-    assert ideal_ratio({"size": {"ideal_ratio": 1.33, "ideal_ratio_quantized": 2.08}}, None) == 2.08
+    quantized = Manifest(size={"ideal_ratio": 1.33, "ideal_ratio_quantized": 2.08})
+    assert ideal_ratio(quantized, None, peer) is None
+    assert ideal_ratio(quantized, None) == 2.08

@@ -21,6 +21,8 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
+from core.engines import SERVER_MODULE, server_command
+from core.manifest import SCHEMA, Manifest, Target
 from exporters import onnx as onnx_export
 from exporters.decoder import Decoder, layer_shapes
 from exporters.onnx_check import ValidationError, validate
@@ -219,9 +221,10 @@ def _package(tmp_path: Path, model, tokenizer, name="pkg", **kw) -> Path:
     from optimizer.job import prepare_output
     out = tmp_path / name
     tmp = prepare_output(out)
-    manifest = {"schema": launch.SCHEMA, "format": "onnx", "target": {"kind": "cpu"},
-                "engine": onnx_export.engine_section("cpu", 256, name), "checks": {}, "size": {"ideal_ratio": 1.0}}
-    onnx_export.write_package(tmp, out, model, tokenizer, manifest, f"# {name}\n\n## Serving\n\nvLLM text\n", **kw)
+    from core.manifest import Engine as EngineSection  # (runtime.ort_server's Engine is the decoding loop)
+    manifest = Manifest(format="onnx", target=Target(kind="cpu"), size={"ideal_ratio": 1.0},
+                        engine=EngineSection.from_dict(onnx_export.engine_section("cpu", 256, name)))
+    onnx_export.write_package(tmp, out, model, tokenizer, manifest, f"# {name}", **kw)
     return out
 
 
@@ -237,7 +240,7 @@ def test_package_with_external_data_and_fp16(tmp_path, tokenizer):
     n_params = sum(p.numel() for p in lively("llama", vocab_size=len(tokenizer)).parameters())
     assert m["onnx"]["weight_bytes"] < 2.1 * n_params
     report = (out / "report.md").read_text()
-    assert "## Serving (ONNX)" in report and "vLLM text" not in report
+    assert report.startswith(f"# pkg\n\n## Serving (ONNX)\n") and "internal check" not in report
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
@@ -553,12 +556,12 @@ def test_optimize_onnx_float16_through_the_cli(tiny_dirs, text_file, tmp_path):
 
 
 def test_vllm_packages_keep_their_command():
-    manifest = {"format": "vllm", "engine": {"served_model_name": "p", "args": ["--dtype", "bfloat16"]}}
-    assert launch.package_command("/x/p", manifest, "h", 1, ["--enforce-eager"]) == \
-        launch.server_command(str(Path("/x/p").resolve()), "p", ["--dtype", "bfloat16"]) + \
+    manifest = {"schema": SCHEMA, "format": "vllm", "engine": {"served_model_name": "p", "args": ["--dtype", "bfloat16"]}}
+    assert launch.package_command("/x/p", Manifest.from_dict(manifest), "h", 1, ["--enforce-eager"]) == \
+        server_command(str(Path("/x/p").resolve()), "p", ["--dtype", "bfloat16"]) + \
         ["--host", "h", "--port", "1", "--enforce-eager"]
     del manifest["format"]  # packages written before the format entry existed
-    assert launch.package_command("/x/p", manifest, "h", 1)[1:3] == ["-m", launch.SERVER_MODULE]
+    assert launch.package_command("/x/p", Manifest.from_dict(manifest), "h", 1)[1:3] == ["-m", SERVER_MODULE]
 
 
 def test_bench_needs_an_onnx_baseline(cli_packages, tiny_dirs):
@@ -752,7 +755,7 @@ def test_real_model_onnx_package(real_model_dir, tmp_path):
                                   quant="none",
                                   heal=HealSettings(tokens=0),
                                   data=DataConfig(calib_windows=2, eval_windows=1, seq_len=512)), log=lambda *_: None)
-    checks = res["manifest"]["checks"]["onnx"]
+    checks = res["manifest"].checks["onnx"]
     assert checks["reference"] == "transformers"
     assert checks["prefill"]["logits_max_abs_diff"] < 1e-3 * checks["prefill"]["logits_max_abs"]
     assert checks["greedy"]["matched"] == 32 or checks["greedy"]["parted_at_near_tie"]
@@ -785,7 +788,7 @@ def test_real_model_onnx_int8_package(real_model_dir, tmp_path, form):
                                   quant="int8", onnx_int8=form, threads=1, heal=HealSettings(tokens=0),
                                   data=DataConfig(calib_windows=4, eval_windows=1, seq_len=512)), log=lambda *_: None)
     m = res["manifest"]
-    c = m["checks"]["onnx"]
+    c = m.checks["onnx"]
     scale = max(1.0, c["prefill"]["logits_max_abs"])
     assert c["float_graph"]["prefill"]["logits_max_abs_diff"] < 1e-3 * scale  # the graph itself is exact
     if form == "dynamic":
@@ -800,8 +803,8 @@ def test_real_model_onnx_int8_package(real_model_dir, tmp_path, form):
         assert c["prefill"]["present_max_abs_diff"] is None  # the served graph's caches: held by the exact check
         assert _fused_int8_matmuls(out / "model.onnx", tmp_path) == 30 * 6  # each in onnxruntime's integer kernel
     assert c["greedy"]["matched"] == 32 or c["greedy"]["parted_at_near_tie"]
-    assert m["onnx"]["int8_matmuls"] == 30 * 6 and m["onnx"]["bytes"] < 0.5 * 4 * m["size"]["params_dense"]
-    assert m["onnx"]["int8_activations"] == form and c["prefill_left_padding"] == (4 if form == "qdq" else 0)
-    assert m["size"]["ideal_ratio_quantized"] > 1.5 * m["size"]["ideal_ratio"]
+    assert m.onnx["int8_matmuls"] == 30 * 6 and m.onnx["bytes"] < 0.5 * 4 * m.size["params_dense"]
+    assert m.onnx["int8_activations"] == form and c["prefill_left_padding"] == (4 if form == "qdq" else 0)
+    assert m.size["ideal_ratio_quantized"] > 1.5 * m.size["ideal_ratio"]
     got, _ = OrtDecoder(out / "model.onnx", threads=1).greedy([1, 504, 3458, 282], 4)
     assert len(got) == 4

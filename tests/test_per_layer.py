@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from core.manifest import Engine, Manifest, Target
 from exporters import per_layer
 from optimizer.adapters import BlockShape, get_adapter
 from optimizer.cli import optimize
@@ -40,13 +41,19 @@ def _x():
     return torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(5))
 
 
+def _manifest(fmt: str, name: str) -> Manifest:
+    """What per_layer.write_package reads of a manifest: the target, the engine, the format (its report section)."""
+    return Manifest(target=Target(kind="cpu"), engine=Engine.from_dict(per_layer.engine_section(fmt, "cpu", 256, name)),
+                    method={"format": fmt, "format_reason": "test", "layer_shapes": []})
+
+
 def _write(tmp_path, model, tok=None, name="pkg"):
     """The package as the pipeline writes it (fp32 here, so logits compare at 1e-5)."""
     fmt, _ = per_layer.choose(model, llama_layout=model.config.model_type == "llama_per_layer")
     model = per_layer.convert(model, fmt)
     tmp = tmp_path / f".{name}.tmp"
     tmp.mkdir()
-    manifest = {"target": {"kind": "cpu"}, "engine": per_layer.engine_section(fmt, "cpu", 256, name)}
+    manifest = _manifest(fmt, name)
     tok = tok or _NoTokenizer()
     return fmt, per_layer.write_package(tmp, tmp_path / name, model, tok, manifest, "# report\n", fmt,
                                         dtype=torch.float32)
@@ -285,7 +292,7 @@ def test_int8_per_layer_package_reads_back_as_the_quantized_model(case, tmp_path
         want = pruned(_x()).logits
     tmp = tmp_path / ".pkg.tmp"
     tmp.mkdir()
-    manifest = {"target": {"kind": "cpu"}, "engine": per_layer.engine_section(fmt, "cpu", 256, "pkg")}
+    manifest = _manifest(fmt, "pkg")
     pkg = per_layer.write_package(tmp, tmp_path / "pkg", pruned, _NoTokenizer(), manifest, "# report\n", fmt,
                                   dtype=torch.float32)
     assert json.loads((pkg / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"

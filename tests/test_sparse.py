@@ -20,6 +20,7 @@ from optimizer.methods.wanda import Wanda
 from optimizer.profiles import load_profile
 from optimizer.sequential import block_inputs, prune_blockwise
 from optimizer.sparsity import Sparsity, parse
+from core.manifest import Manifest
 from serve.launch import sparse24_fallback
 
 PATTERNS = ["2:4", "4:8", "2:8", "0.5"]
@@ -193,8 +194,8 @@ def test_package_carries_the_2_4_config_only_for_an_engine_with_the_kernel(tiny_
     sc = cfg["quantization_config"]["sparsity_config"]
     assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
     assert (sc["sparsity_structure"], sc["format"], sc["ignore"]) == ("2:4", "dense", ["lm_head"])
-    man = json.loads((tmp_path / "k" / "manifest.json").read_text())
-    assert man["method"]["name"] == "sparsegpt" and man["engine"]["sparse24"]["config_written"]
+    man = Manifest.read(tmp_path / "k")
+    assert man.method["name"] == "sparsegpt" and man.engine.sparse24["config_written"]
     assert "v0.18.0" in (tmp_path / "k" / "Dockerfile").read_text()
     assert sparse24_fallback(man, installed="0.18.0") == []
     assert sparse24_fallback(man, installed="0.32.0")[0] == "--hf-overrides"
@@ -207,8 +208,7 @@ def test_package_carries_the_2_4_config_only_for_an_engine_with_the_kernel(tiny_
                   tmp_path)
     assert r.exit_code == 0, r.output
     assert "quantization_config" not in json.loads((tmp_path / "n" / "config.json").read_text())
-    man = json.loads((tmp_path / "n" / "manifest.json").read_text())
-    assert sparse24_fallback(man, installed="0.32.0") == []
+    assert sparse24_fallback(Manifest.read(tmp_path / "n"), installed="0.32.0") == []
     report = (tmp_path / "n" / "report.md").read_text()
     assert "No speedup is to be expected" in report and "## Serving" in report and "- internal check" not in report
     from transformers import AutoModelForCausalLM

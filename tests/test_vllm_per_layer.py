@@ -26,6 +26,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
+from core.manifest import Engine, Manifest, Target
 from exporters import per_layer
 from serve import launch, loadgen
 from tests.test_vllm import FAST_START_ARGS, FAST_START_ENV
@@ -71,6 +72,13 @@ if __name__ == "__main__":
 '''
 
 
+def package_manifest(engine: dict, per_layer_format: str | None = None) -> Manifest:
+    """The manifest a package written directly by an exporter needs: the target, the engine (and for a
+    per-layer package the format its report section names)."""
+    method = {"format": per_layer_format, "format_reason": "test", "layer_shapes": []} if per_layer_format else {}
+    return Manifest(target=Target(kind="cpu"), engine=Engine.from_dict(engine), method=method)
+
+
 def _small_model(family: str, vocab: int):
     cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[family]
     cfg = cls(vocab_size=vocab, **SMALL)
@@ -104,7 +112,7 @@ def packages(tmp_path_factory, tokenizer):
         assert fmt == name.split("-")[0]
         tmp = root / f".{name}.tmp"
         tmp.mkdir()
-        manifest = {"target": {"kind": "cpu"}, "engine": per_layer.engine_section(fmt, "cpu", 256, name)}
+        manifest = package_manifest(per_layer.engine_section(fmt, "cpu", 256, name), fmt)
         out[name] = per_layer.write_package(tmp, root / name, per_layer.convert(pruned, fmt), tokenizer, manifest,
                                             "# report\n", fmt, dtype=torch.float32)
     return out
@@ -148,7 +156,7 @@ def _vllm_run(pkg, prompts, trust_remote_code: bool, env_extra: dict, log_path, 
 @pytest.mark.parametrize("name", list(CASES))
 def test_vllm_answers_like_transformers(packages, tokenizer, name, tmp_path):
     pkg = packages[name]
-    manifest = json.loads((pkg / "manifest.json").read_text())
+    manifest = Manifest.read(pkg)
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
     model = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
     if name != "decilm":  # the offline run below uses ignore_eos
@@ -158,7 +166,7 @@ def test_vllm_answers_like_transformers(packages, tokenizer, name, tmp_path):
     if name == "decilm":
         # stock vLLM, no plugin at all (VLLM_PLUGINS=""), started as `serve` starts it: the
         # manifest's command and arguments (--trust-remote-code among them), fp32 and eager here
-        assert "--trust-remote-code" in manifest["engine"]["args"]
+        assert "--trust-remote-code" in manifest.engine.args
         port = _free_port()
         cmd = launch.package_command(pkg, manifest, "127.0.0.1", port,
                                      ["--dtype", "float32", "--enforce-eager", *FAST_START_ARGS])

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from exporters import vllm as vllm_export
 from optimizer.quantize import apply
-from tests.test_vllm_per_layer import NEW_TOKENS, PROMPTS, _small_model, _vllm_run
+from tests.test_vllm_per_layer import NEW_TOKENS, PROMPTS, _small_model, _vllm_run, package_manifest
 
 pytestmark = pytest.mark.vllm
 NEAR_TIE = 0.5  # log-probabilities: a float32 run's worst-case tolerance (its mean one NEAR_TIE / 5)
@@ -38,7 +38,7 @@ def _tiny_int8_package(tokenizer, tmp_path):
     assert apply(model, "int8") == 3 * 7
     tmp = tmp_path / ".pkg.tmp"
     tmp.mkdir()
-    manifest = {"target": {"kind": "cpu"}, "engine": vllm_export.engine_section("cpu", 256, "tiny-int8")}
+    manifest = package_manifest(vllm_export.engine_section("cpu", 256, "tiny-int8"))
     return vllm_export.write_package(tmp, tmp_path / "pkg", model, tokenizer, manifest, "# report\n",
                                      dtype=torch.float32)
 
@@ -76,7 +76,7 @@ def test_vllm_serves_the_pruned_real_model_in_int8_like_pytorch(real_package, to
     apply(model, "int8")
     tmp = tmp_path / ".pkg.tmp"
     tmp.mkdir()
-    manifest = {"target": {"kind": "cpu"}, "engine": vllm_export.engine_section("cpu", 256, "real-int8")}
+    manifest = package_manifest(vllm_export.engine_section("cpu", 256, "real-int8"))
     pkg = vllm_export.write_package(tmp, tmp_path / "pkg", model, tokenizer, manifest, "# report\n")
     _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, INT8_KERNEL, dtype=INT8_DTYPE)
 
@@ -100,7 +100,7 @@ def test_vllm_serves_an_int8_decilm_per_layer_package_like_the_quantized_model(t
     assert apply(pruned, "int8") == 3 * 7
     tmp = tmp_path / ".pkg.tmp"
     tmp.mkdir()
-    manifest = {"target": {"kind": "cpu"}, "engine": per_layer.engine_section("decilm", "cpu", 256, "tiny-decilm-int8")}
+    manifest = package_manifest(per_layer.engine_section("decilm", "cpu", 256, "tiny-decilm-int8"), "decilm")
     pkg = per_layer.write_package(tmp, tmp_path / "pkg", pruned, tokenizer, manifest, "# report\n", "decilm",
                                   dtype=torch.float32)
     assert json.loads((pkg / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"
@@ -181,7 +181,7 @@ def test_vllm_serves_a_w4a16_package_like_the_quantized_model(tokenizer, tmp_pat
     gptq(model, adapter, torch.randint(0, len(tokenizer), (2, 64), generator=torch.Generator().manual_seed(0)))
     tmp = tmp_path / ".pkg.tmp"
     tmp.mkdir()
-    manifest = {"target": {"kind": "cpu"}, "engine": vllm_export.engine_section("cpu", 256, "tiny-w4a16")}
+    manifest = package_manifest(vllm_export.engine_section("cpu", 256, "tiny-w4a16"))
     pkg = vllm_export.write_package(tmp, tmp_path / "pkg", model, tokenizer, manifest, "# report\n")
     q = json.loads((pkg / "config.json").read_text())["quantization_config"]
     assert q["format"] == "pack-quantized" and q["config_groups"]["group_0"]["weights"]["group_size"] == group

@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from core.manifest import Manifest
 from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, SISettings, optimize
 from optimizer.sparsity import parse
 from serve import launch, loadgen
@@ -48,10 +49,10 @@ def package(request, real_model_dir, tmp_path_factory):
 
 def test_vllm_serves_the_sparse_package_like_transformers(package, tmp_path):
     name, pkg = package
-    manifest = json.loads((pkg / "manifest.json").read_text())
+    manifest = Manifest.read(pkg)
     spec = PACKAGES[name]
     config_written = "quantization_config" in json.loads((pkg / "config.json").read_text())
-    assert config_written == (name == "h100-0.18") == manifest["engine"]["sparse24"]["config_written"]
+    assert config_written == (name == "h100-0.18") == manifest.engine.sparse24["config_written"]
     if name.startswith("a100-si"):
         cfg = json.loads((pkg / "config.json").read_text())
         assert cfg["attention_bias"] and cfg["mlp_bias"]
@@ -75,7 +76,7 @@ def test_vllm_serves_the_sparse_package_like_transformers(package, tmp_path):
     agree = 0
     with launch.running(cmd, env, base, tmp_path / "server.log", timeout_s=600):
         for prompt in PROMPTS:
-            text = loadgen.complete(base, manifest["engine"]["served_model_name"], prompt, max_tokens=8)
+            text = loadgen.complete(base, manifest.engine.served_model_name, prompt, max_tokens=8)
             assert text.strip(), f"empty answer for {prompt!r}"
             ids = tok(prompt, return_tensors="pt").input_ids
             ref = tok.decode(model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:])

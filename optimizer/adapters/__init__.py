@@ -5,6 +5,7 @@ A new family is one new module here plus one line in _ADAPTERS.
 
 from __future__ import annotations
 
+from core.errors import UserError
 from optimizer.adapters.base import MLP, Attention, BlockShape, DecoderAdapter, Norms
 from optimizer.adapters.gemma2 import Gemma2Adapter
 from optimizer.adapters.gemma3 import Gemma3Adapter
@@ -16,7 +17,6 @@ from optimizer.adapters.qwen2 import Qwen2Adapter
 from optimizer.adapters.qwen2_moe import Qwen2MoeAdapter
 from optimizer.adapters.qwen3 import Qwen3Adapter
 from optimizer.adapters.qwen3_moe import Qwen3MoeAdapter
-from optimizer.errors import UserError
 
 _ADAPTERS: dict[str, DecoderAdapter] = {
     t: a() for a in (LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, Gemma2Adapter, Gemma3Adapter, Phi3Adapter,

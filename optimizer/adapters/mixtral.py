@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.errors import UserError
 from optimizer.adapters.base import BlockShape, DecoderAdapter
-from optimizer.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from core.errors import UserError
 from optimizer.adapters.base import DecoderAdapter
-from optimizer.errors import UserError
 
 # The config fields the working Mistral model takes over from Phi-3's.
 _MISTRAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optimizer.errors import UserError
+from core.errors import UserError
 from optimizer.masks import ExpertMasks
 from optimizer.methods.ddp import DDPConfig, kd_backward
 from optimizer.methods.gates import GateTraining

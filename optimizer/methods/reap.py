@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from optimizer.errors import UserError
+from core.errors import UserError
 from optimizer.masks import ExpertMasks
 from optimizer.methods.base import Method
 from optimizer.moe_surgery import as_moe_adapter, moe_parts

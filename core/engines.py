@@ -1,28 +1,13 @@
-"""The package contract: manifest file and schema, and the command that serves a vLLM package."""
+"""The serving engines as both sides see them: the command that serves a vLLM package, the
+onnxruntime server's module, and which vLLM is installed (or assumed where none is)."""
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
-MANIFEST = "manifest.json"
-SCHEMA = 1
+DEFAULT_VLLM = "0.32.0"  # the vLLM release packages are planned for and built on when none is installed
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ORT_SERVER_MODULE = "runtime.ort_server"  # ONNX packages: onnxruntime behind the same endpoint
-
-
-def read_manifest(package: str | Path) -> dict:
-    path = Path(package) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{package}: not a package made by optimize (no {MANIFEST})")
-    try:
-        manifest = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if manifest.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: manifest schema {manifest.get('schema')!r}, this tool reads {SCHEMA}")
-    return manifest
 
 
 def server_command(model_dir: str, served_name: str, args: list[str], python: str = sys.executable) -> list[str]:
