@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from optimizer import distributed
-from optimizer.errors import Terminated
+from core.errors import Terminated
 
 CHECKPOINT_EVERY_S = 120      # seconds of training between checkpoints (a kill loses at most this): by
                               # time, not steps, since writing one (the weights and AdamW's two moments)
