@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from core.errors import UserError
-from optimizer import budget, distributed, load, plan as planner, profiles, sparsity
+from optimizer import budget, distributed, load, plan as planner, profiles, registry, sparsity
 from optimizer.adapters import MoEAdapter, get_adapter, onnx_families
 from optimizer.config import (DataConfig, DDPSettings, HealSettings, OptimizeConfig, RefitSettings, RoISettings,
                               SISettings, validate)
@@ -139,16 +139,9 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
 
     level = f"s{plan.sparsity.replace(':', 'of')}" if plan.sparsity else f"r{cfg.retain:.2f}"
     out = Path(cfg.out or f"out/{source.name}-{target.name}-{plan.method}-{level}")
-    if moe:
-        from optimizer.experts import Experts as Kind
-    elif plan.sparsity:
-        from optimizer.semistructured import SemiStructured as Kind
-    elif depth:
-        from optimizer.depth import Depth as Kind
-    else:
-        from optimizer.structured import Structured as Kind
+    kind = registry.EXPERTS if moe else registry.spec(plan.method).kind
     with staged(out) if distributed.is_main() else contextlib.nullcontext() as tmp:  # rank 0 writes
-        return Job(cfg, target, plan, source, adapter, out, tmp, log).run(Kind())
+        return Job(cfg, target, plan, source, adapter, out, tmp, log).run(registry.kind_class(kind)())
 
 
 def _silent(*args, **kwargs) -> None:

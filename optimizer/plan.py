@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from core.engines import DEFAULT_VLLM, installed_vllm_version  # noqa: F401  (the planner's default engine version)
 from core.errors import UserError
+from optimizer import registry
 from optimizer.adapters import BlockShape, DecoderAdapter
 from optimizer.profiles import QUANT_NAMES, Profile
 
@@ -23,7 +24,6 @@ from optimizer.profiles import QUANT_NAMES, Profile
 # prefers_fewer_blocks). DDP's learned gates beat one-shot unhealed (bench/results/ddp/), but its 80 steps alone
 # take longer than the 15 minutes the default job may take here, and the same minutes spent
 # healing the one-shot student's weights buy more (bench/results/heal/); DDP on request.
-STRUCTURED_METHODS = ("activation", "ddp")
 STRUCTURED = "activation"
 # Whole blocks removed (optimizer/depth.py): fewer layers instead of narrower ones.
 DEPTH = "depth"
@@ -33,15 +33,8 @@ DEPTH = "depth"
 # held-out KL than narrower blocks, at 0.7 and 0.8 with a better one (heal-select/2026-12-05-mixed).
 FEWER_BLOCKS_GAIN = 1.1
 FEWER_BLOCKS_MIN_RETAIN = 0.7
-# The semi-structured family (N:M or unstructured zeros in every Linear of the blocks).
-ONE_SHOT = ("magnitude", "wanda", "sparsegpt")
-SPARSE_METHODS = (*ONE_SHOT, *(f"si+{m}" for m in ONE_SHOT), "roi")
 SEMI_STRUCTURED = "sparsegpt"   # auto's choice where a 2:4 kernel serves the package
-METHODS = ("auto", "structured", "semi-structured", *STRUCTURED_METHODS, DEPTH, *SPARSE_METHODS)
-
-
-def is_sparse(method: str) -> bool:
-    return method in SPARSE_METHODS
+is_sparse = registry.is_sparse
 
 
 @dataclass
@@ -145,8 +138,8 @@ def choose_quant(plan: Plan, quant: str, not_quantized: str | None = None) -> No
 
 def choose(target: Profile, method: str, engine: str = "vllm", engine_version: str | None = None,
            sparsity: str = "2:4") -> Plan:
-    if method not in METHODS:
-        raise UserError(f"unknown method '{method}'; choose from: {', '.join(METHODS)}")
+    if method not in registry.choices():
+        raise UserError(f"unknown method '{method}'; choose from: {', '.join(registry.choices())}")
     version = engine_version or installed_vllm_version() or DEFAULT_VLLM
     has_kernel = target.has_sparse24_kernel(engine, version)
     if method in ("auto", "structured"):
@@ -170,7 +163,7 @@ def choose(target: Profile, method: str, engine: str = "vllm", engine_version: s
                    else f"no engine has a kernel for {plan.sparsity} sparsity")
             plan.reasons.append(f"{method} requested, but {why}: the package serves dense-format weights "
                                 f"and no speedup is to be expected (use --method structured to be faster)")
-    elif method in STRUCTURED_METHODS:
+    elif method in registry.METHODS and registry.spec(method).kind == registry.STRUCTURED:
         plan.reasons.append(f"{method} requested")
     elif method == DEPTH:
         plan.reasons.append("depth requested: whole blocks removed, the rest untouched (the family's own config "

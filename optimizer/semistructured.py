@@ -17,7 +17,7 @@ import torch
 from core.manifest import Manifest
 from exporters import vllm as vllm_export
 from optimizer import plan as planner
-from optimizer import report
+from optimizer import registry, report
 from optimizer.job import MAX_MODEL_LEN, Decision, Job
 from optimizer.methods.magnitude import Magnitude
 from optimizer.methods.roi import RoI, RoIConfig, wanda_prior
@@ -93,12 +93,13 @@ def prune(job: Job, method: str, windows: torch.Tensor, sparsity: Sparsity) -> d
     # a pruner that looks at no data (magnitude alone) makes no calibration passes
     no_passes = method in PRUNERS and not PRUNERS[method].needs_data
     passes = {"calib_dtype": None if no_passes else str(dtype).removeprefix("torch.")}
-    if method in PRUNERS:
+    spec = registry.spec(method)
+    if spec.pruner and not spec.transforms:
         prune_blockwise(model, adapter, windows, PRUNERS[method], sparsity, desc=f"{method} {sparsity}", dtype=dtype)
         return passes
-    if method.startswith("si+"):
+    if spec.transforms:
         si_cfg = SIConfig(steps=cfg.si.steps, seed=cfg.seed)
-        _, si = prune_with_si(model, adapter, windows, PRUNERS[method[3:]], sparsity, si_cfg, dtype=dtype)
+        _, si = prune_with_si(model, adapter, windows, PRUNERS[spec.pruner], sparsity, si_cfg, dtype=dtype)
         chosen = [h["chosen"] for h in si.history]
         return {**passes, "si": {**vars(si_cfg), "blocks_learned": chosen.count("learned"), "blocks_init": chosen.count("init"),
                        "blocks_identity": chosen.count("identity"),

@@ -9,8 +9,9 @@
     close()                      detach the hooks observe needed; the model is as it was
 
 Methods never edit shapes (surgery does) and never import exporters or serve. The per-Linear
-pruners that the block-by-block runner drives (`magnitude`, `wanda`, `sparsegpt`) are the same
-pair one level down: `add_batch(inp)` per Linear, `prune(sparsity)` → that Linear's keep-mask.
+pruners that the block-by-block runner drives (`magnitude`, `wanda`, `sparsegpt`: `LinearPruner`)
+are the same pair one level down: `add_batch(inp)` per Linear, `prune(sparsity)` → that Linear's
+keep-mask. Which method is which kind of job: `optimizer/registry.py`.
 
 A trained method (`TrainedMethod`) also has a step counter and a checkpoint: `state()` holds
 everything a resume needs, `identity()` what must match for a checkpoint to be this run's.
@@ -40,6 +41,28 @@ class Method:
 
     def remove_hooks(self) -> None:
         self.close()
+
+
+class LinearPruner:
+    """The per-Linear interface the block-by-block runner (`sequential.prune_blockwise`) drives:
+    `add_batch(inp)` for each calibration batch of the Linear's input, then `prune(sparsity)`
+    zeroes the Linear's weights in place and returns its keep-mask; `free()` drops the statistics.
+    `needs_data`: whether add_batch reads anything (no calibration passes otherwise); `statistics`:
+    the attributes add_batch fills, which a Linear reading the same input may adopt."""
+    needs_data = True
+    statistics: tuple[str, ...] = ()
+
+    def __init__(self, layer: torch.nn.Linear):
+        self.layer = layer
+
+    def add_batch(self, inp: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def prune(self, sparsity) -> torch.Tensor:
+        raise NotImplementedError
+
+    def free(self) -> None:
+        pass
 
 
 class TrainedMethod(Method):

@@ -4,17 +4,14 @@ but has the same two-phase shape as Wanda and SparseGPT so the block runner trea
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from optimizer.methods.base import LinearPruner
 from optimizer.sparsity import Sparsity
 
 
-class Magnitude:
+class Magnitude(LinearPruner):
     needs_data = False
     statistics = ()  # what add_batch collects; a Linear reading the same input adopts them
-
-    def __init__(self, layer: nn.Linear):
-        self.layer = layer
 
     def add_batch(self, inp: torch.Tensor) -> None:
         pass
@@ -28,5 +25,3 @@ class Magnitude:
         self.layer.weight.mul_(keep)
         return keep
 
-    def free(self) -> None:
-        pass

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from optimizer.methods.base import LinearPruner
 from optimizer.sparsity import Sparsity
 
 
-class SparseGPT:
+class SparseGPT(LinearPruner):
     needs_data = True
     statistics = ("H", "tokens")
 
