@@ -263,7 +263,7 @@ def quantize_for_onnxruntime(job, model, windows, started):
     """--quant int8 for an ONNX package: smoothing, then the block Linears' weights on onnxruntime's
     symmetric int8 grid per output channel, for QDQ the activations' static scales, and the activation
     hooks (OrtInt8, kept on the model as `model.ort_int8` for the exporter)."""
-    form = job.cfg.onnx_int8
+    form = job.cfg.onnx.int8
     smooth(model, job.adapter, windows, SMOOTH_ALPHA)
     linears = {}
     for i, b in enumerate(job.adapter.blocks(model)):
