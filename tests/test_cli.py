@@ -116,7 +116,7 @@ def test_help_is_a_page_and_help_all_lists_every_setting():
     assert "(--heal-tokens, --no-heal: 0)" in r.output
 
 
-def _settings(monkeypatch, args) -> "OptimizeConfig":
+def _settings(monkeypatch, args):
     """The OptimizeConfig the CLI builds from `args` (the pipeline not run)."""
     import optimizer.pipeline
     seen = {}

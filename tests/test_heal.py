@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 
-import click
 import pytest
 import torch
 import torch.nn.functional as F
@@ -325,14 +324,11 @@ def test_optimize_scores_zero_shot_dense_before_and_after_healing(tiny_dirs, tex
 
 
 def test_the_default_heal_budget_and_chat_answers(tokenizer):
-    from optimizer.cli import optimize
     from optimizer.config import HealSettings
     from optimizer.heal import AUTO_CHAT, chat_answers
-    defaults = {p.name: p.default for p in optimize.params}
-    unset = (None, getattr(click.core, "UNSET", None))
-    assert defaults["heal_tokens"] == HealSettings.tokens > 0 and defaults["heal_memory"] == HealSettings.memory
-    assert defaults["heal_lr"] in unset and HealSettings.lr is None  # no default: the optimizer's
-    assert defaults["heal_chat"] in unset and HealSettings.chat is None  # no default: auto
+    # the CLI has no defaults of its own: an option it is not given leaves the dataclass's
+    assert HealSettings().tokens > 0 and HealSettings().memory == "fast"
+    assert HealSettings().lr is None and HealSettings().chat is None  # the optimizer's; auto
     chat = copy.copy(tokenizer)
     chat.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     plain = copy.copy(tokenizer)

@@ -724,7 +724,7 @@ def test_qdq_graph_with_other_scales_than_the_twin_is_refused(tiny_dirs, text_fi
 
 def test_onnx_int8_form_needs_an_int8_onnx_package(tiny_dirs, text_file, tmp_path):
     r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "x", 0.6, "--set", "onnx.int8=qdq", "--quant", "none")
-    assert r.exit_code != 0 and "--onnx-int8 qdq applies to ONNX packages quantized to INT8" in r.output
+    assert r.exit_code != 0 and "onnx.int8=qdq applies to ONNX packages quantized to INT8" in r.output
     assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
 
 

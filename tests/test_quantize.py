@@ -253,7 +253,7 @@ def test_a_precision_without_a_kernel_says_so_in_the_plan(tiny_dirs, text_file, 
 
 def test_auto_quantizes_onnx_packages_for_the_cpu_target_only(tiny_dirs, text_file, tmp_path):
     """--quant auto for an ONNX package: INT8 on the cpu target (onnxruntime's CPU provider has the integer
-    kernels), fp32 for a GPU target and for an fp16 graph; --onnx-int8 qdq where auto keeps fp32 is refused."""
+    kernels), fp32 for a GPU target and for an fp16 graph; onnx.int8=qdq where auto keeps fp32 is refused."""
     def plan(*args):
         r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--format", "onnx", "--dry-run", *args)
         return r, next(line for line in r.output.splitlines() if line.startswith("quantization:"))
@@ -265,9 +265,8 @@ def test_auto_quantizes_onnx_packages_for_the_cpu_target_only(tiny_dirs, text_fi
         r, line = plan(*args)
         assert r.exit_code == 0 and line == "quantization: 16-bit weights", args
     r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--format", "onnx", "--target", "a100",
-                  "--set", "onnx.int8=qdq",
-                  "--dry-run")
-    assert r.exit_code == 2 and "error: --onnx-int8 qdq needs INT8 weights, but ONNX packages for a GPU keep fp32" \
+                  "--set", "onnx.int8=qdq", "--dry-run")
+    assert r.exit_code == 2 and "error: onnx.int8=qdq needs INT8 weights, but ONNX packages for a GPU keep fp32" \
         in r.output and not (tmp_path / "pkg").exists()
 
 
