@@ -416,8 +416,8 @@ def _heal(job, model, device: torch.device):
     if world > 1:
         job.log(f"healed on {world} processes, {batch // world} sequence(s) each a step")
     if kept_unhealed:
-        job.log("healing made the held-out KL worse: the package keeps the unhealed weights (a lower --heal-lr "
-                "or other --heal-data may heal this model)")
+        job.log("healing made the held-out KL worse: the package keeps the unhealed weights (a lower heal.lr "
+                "or other heal.data may heal this model)")
     del unhealed
     job.heal_detail = {
         "data": source, "tokens_requested": s.tokens, "tokens": done * batch * seq, "steps": done,
@@ -449,7 +449,7 @@ def heal_chunks(job, files_text: str | None = None) -> tuple[torch.Tensor, str]:
         try:
             chunks = data.token_windows(job.tok, text, s.seq_len)
         except UserError as e:
-            raise UserError(f"--heal-data {', '.join(str(p) for p in s.data)}: {e}") from None
+            raise UserError(f"heal.data={','.join(str(p) for p in s.data)}: {e}") from None
     else:
         train = job.calib.train
         chunks = train.reshape(-1, heal_seq_len(s, train.shape[1]))
@@ -587,7 +587,7 @@ def teacher_chat(teacher, tok, n: int, seed: int, max_new_tokens: int = 128, bat
     answer keeps the default job within its 15 minutes on 2 CPU cores (README, "Healing")."""
     if not getattr(tok, "chat_template", None):
         from optimizer.errors import UserError
-        raise UserError("--heal-chat needs a model with a chat template")
+        raise UserError("heal.chat needs a model with a chat template")
     from tqdm import tqdm
     gen = torch.Generator().manual_seed(seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
