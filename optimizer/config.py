@@ -223,12 +223,12 @@ def _locate(cfg: OptimizeConfig, key: str):
     hint = f" (did you mean {' or '.join(near)}?)" if near else ""
     if not section and name in sections:
         raise UserError(f"'{key}' is a section; set one of its keys: "
-                     f"{', '.join(f'{key}.{k}' for k in _keys(sections[name]))}")
+                        f"{', '.join(f'{key}.{k}' for k in _keys(sections[name]))}")
     if section in sections:
         raise UserError(f"unknown setting '{key}'{hint}; {section} has: {', '.join(_keys(sections[section]))}")
     top = [k for k in _keys(OptimizeConfig) if k not in sections]
     raise UserError(f"unknown setting '{key}'{hint}; the top level has: {', '.join(top)}; sections: "
-                 f"{', '.join(sections)} (optimize --help-all lists every setting)")
+                    f"{', '.join(sections)} (optimize --help-all lists every setting)")
 
 
 _BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
