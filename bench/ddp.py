@@ -103,14 +103,14 @@ def main() -> None:
         shutil.rmtree(pkg, ignore_errors=True)
         t0 = time.time()
         m = optimize(OptimizeConfig(
-            target=args.target, method=method, retain=retain, budget=args.budget, layout=layout, out=str(pkg),
+            target=args.target, method=method, retain=retain, retain_by=args.budget, layout=layout, out=str(pkg),
             data=DataConfig(calib=str(calib), eval=str(test),
                             seq_len=2048, calib_windows=args.calib_windows,
                             eval_windows=None if args.eval_windows == "all" else int(args.eval_windows)),
             ddp=DDPSettings(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, lr_end=args.lr_end,
                             beta=args.beta),
             threads=args.threads, seed=args.seed, calib_dtype=args.calib_dtype,
-            refit=RefitSettings() if args.refit else None, resume=args.resume,
+            refit=RefitSettings(on=None if args.refit else False), resume=args.resume,
             heal=HealSettings(tokens=0), quant=args.quant))["manifest"]  # the pruning methods, unhealed (bench/heal.py heals)
         q = m.perplexity
         row = {"package": str(pkg), "wall_s": round(time.time() - t0, 1),

@@ -23,7 +23,7 @@ import torch
 import benchlib
 from optimizer import evaluate
 from optimizer.methods.ddp import DDP
-from optimizer.pipeline import DataConfig, DDPSettings, HealSettings, OptimizeConfig, optimize
+from optimizer.pipeline import DataConfig, DDPSettings, HealSettings, OptimizeConfig, RefitSettings, optimize
 from optimizer.surgery import masked
 
 
@@ -77,7 +77,7 @@ def main() -> None:
                             calib_windows=args.calib_windows, seq_len=2048, eval_windows=16),
             ddp=DDPSettings(steps=args.steps, batch=args.batch, lr=args.lr, lr_end=args.lr_end),
             seed=args.seed, threads=args.threads, heal=HealSettings(tokens=0), quant="none",
-            refit=None))["manifest"]
+            refit=RefitSettings(on=False)))["manifest"]
     result = {"retain": args.retain, "layout": args.layout, "training": m.method["ddp"],
               "package_ppl_16_windows": m.perplexity["pruned"], "eval_windows": args.eval_windows,
               "points": points, "wall_s": round(time.time() - started, 1), **run}

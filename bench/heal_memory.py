@@ -1,7 +1,7 @@
 """Heal's memory: each part measured on SmolLM2, per --heal-memory recipe, and scaled to an 8B
 model by formula (docs/heal.md, "Memory").
 
-    optimize --method activation --retain 0.7 --no-heal --eval-windows 1 -o out/heal-memory-student
+    optimize --method activation --retain 0.7 --no-heal --set data.eval_windows=1 -o out/heal-memory-student
     python bench/heal_memory.py out/heal-memory-student
 
 For each recipe — fast (AdamW, every activation kept, the teacher in fp32) and lean (Adafactor,

@@ -33,7 +33,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import torch  # noqa: E402
 from core.manifest import Manifest, is_package  # noqa: E402
-from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimize  # noqa: E402
+from optimizer.pipeline import (DataConfig, HealSettings, OnnxSettings, OptimizeConfig, RefitSettings,  # noqa: E402
+                                optimize)
 
 
 def main() -> None:
@@ -93,10 +94,10 @@ def main() -> None:
             shutil.rmtree(pkg, ignore_errors=True)
             m = optimize(OptimizeConfig(model=args.model, target=args.target, method="activation", retain=retain,
                                         out=str(pkg), format="onnx", threads=args.threads, quant=quant,
-                                        onnx_int8=args.onnx_int8 if quant == "int8" else "dynamic",
+                                        onnx=OnnxSettings(int8=args.onnx_int8 if quant == "int8" else "dynamic"),
                                         data=DataConfig(calib=str(calib), calib_windows=args.calib_windows,
                                                         eval_windows=args.eval_windows, seq_len=args.seq_len),
-                                        heal=HealSettings(tokens=0), refit=None))["manifest"]  # speed: heal and refit keep the shapes
+                                        heal=HealSettings(tokens=0), refit=RefitSettings(on=False)))["manifest"]  # speed: heal and refit keep the shapes
         c = m.checks["onnx"]
         entry = {"retain": retain, "package": str(pkg),
                  "quant": quant if quant == "none" else f"{quant} {m.onnx.get('int8_activations', 'dynamic')}",

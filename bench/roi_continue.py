@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=512, choices=[256, 512, 1024, 2048],
-                    help="tokens per step: the run's --roi-seq-len (the checkpoint does not record it)")
+                    help="tokens per step: the run's roi.seq_len setting (the checkpoint does not record it)")
     ap.add_argument("--json", help="write the result here, a new file (default: roi-continue-<pattern>.json in a "
                                    "new run folder bench/results/roi-continue/<date>-<commit>)")
     ap.add_argument("--save", help="checkpoint the continued run here (it can be continued again)")

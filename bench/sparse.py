@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--si-steps", type=int, default=defaults.si.steps)
     ap.add_argument("--seed", type=int, default=defaults.seed, help="optimize --seed (RoI: its noise and data order)")
     ap.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                    help="our calibration passes (optimize --calib-dtype); the peer runs fp32 as it ships")
+                    help="our calibration passes (optimize --set calib_dtype=...); the peer runs fp32 as it ships")
     ap.add_argument("--no-peer", action="store_true", help="skip llm-compressor")
     ap.add_argument("--fresh-peer", action="store_true",
                     help="rerun llm-compressor beside our runs even if a finished run of it is cached")

@@ -32,7 +32,7 @@ import torch
 
 import benchlib
 from benchlib import ROOT
-from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimize
+from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, RefitSettings, optimize
 
 
 def main() -> None:
@@ -79,7 +79,7 @@ def main() -> None:
                                                       else int(args.eval_windows)),
                                       threads=args.threads,
                                       **({} if args.default_job else  # the one-shot method alone
-                                         dict(heal=HealSettings(tokens=0), quant="none", refit=None))))
+                                         dict(heal=HealSettings(tokens=0), quant="none", refit=RefitSettings(on=False)))))
         m = res["manifest"]
         size = m.size
         if args.default_job:  # what the product found without --calib (the built-in corpus, else its own text)

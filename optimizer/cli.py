@@ -7,126 +7,76 @@ import click
 from core.errors import UserError, one_line_errors
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+def _doc(key: str) -> str:
+    """A setting's help and default (optimizer/config.py), for the option that sets it."""
+    from optimizer.config import all_settings
+    default, help = next((default, help) for k, _, default, help in all_settings() if k == key)
+    return help if default is None or default is False else f"{help}  [default: {default}]"
+
+
+# The first-class options of `optimize` and the setting each one sets. Everything else is a setting
+# only (--set / --config), so that --help stays a page a person reads; --help-all lists them all.
+OPTIONS = {"target": "target", "out": "out", "format": "format", "retain": "retain", "method": "method",
+           "quant": "quant", "heal_tokens": "heal.tokens", "calib": "data.calib", "eval_": "data.eval",
+           "resume": "resume"}
+
+
+def _show_help_all(ctx, _param, value):
+    if value and not ctx.resilient_parsing:
+        from optimizer.config import settings_help
+        flags = {key: "--" + name.strip("_").replace("_", "-") for name, key in OPTIONS.items()}
+        flags["heal.tokens"] += ", --no-heal: 0"
+        click.echo(settings_help(flags))
+        ctx.exit()
+
+
+# Options default to None (flags to False), so that only what the command line names overrides the
+# config file and --set; the defaults shown are the dataclasses'.
+@click.command(context_settings={"help_option_names": ["-h", "--help"]},
+               epilog="Every other setting (DDP, heal, data windows, ONNX, seed, ...): --set KEY=VALUE or "
+                      "--config FILE; --help-all lists them with their defaults.")
 @click.argument("model", required=False)
-@click.option("--target", "-t", default="auto", show_default=True,
-              help="Deployment target from `profiles` (a100, h100, l4, cpu, ...) or 'auto' to detect.")
-@click.option("--method", default="auto", show_default=True,
-              help="auto | structured (= activation, then heal) | activation (one-shot) | ddp (learned gates) | "
-                   "depth (whole blocks removed) | semi-structured | "
-                   "magnitude | wanda | sparsegpt | si+magnitude | si+wanda | si+sparsegpt | roi (learned N:M)")
-@click.option("--sparsity", default="2:4", show_default=True,
-              help="Semi-structured methods: N:M pattern (2:4, 4:8, 2:8) or an unstructured fraction (0.5).")
-@click.option("--retain", default=0.7, show_default=True, type=float,
-              help="Fraction of the transformer blocks' parameters kept, in (0, 1].")
-@click.option("--calib", type=click.Path(), help="Calibration text file (default: built-in corpus).")
-@click.option("--eval", "eval_", type=click.Path(), help="Text file for perplexity (default: held-out built-in text).")
-@click.option("-o", "--out", type=click.Path(), help="Package directory to create (must not exist).")
-@click.option("--format", "fmt", default="vllm", show_default=True, type=click.Choice(["vllm", "onnx"]),
-              help="Package for vLLM, or ONNX with KV cache for onnxruntime.")
-@click.option("--onnx-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16"]),
-              help="Precision of an ONNX package (float16 is for GPU execution providers).")
-@click.option("--onnx-int8", default="dynamic", show_default=True, type=click.Choice(["dynamic", "qdq"]),
-              help="With --format onnx --quant int8: activations quantized at run time, one scale per tensor "
-                   "(MatMulInteger), or static scales calibrated here in QuantizeLinear/DequantizeLinear pairs "
-                   "(QDQ: the form TensorRT and other ONNX runtimes read; a request's result no longer depends "
-                   "on its batch).")
-@click.option("--dry-run", is_flag=True, help="Print the plan and the predicted speedup, then stop.")
-@click.option("--engine-version", help="vLLM version the package will be served with (default: installed, else 0.32.0).")
-@click.option("--calib-windows", default=16, show_default=True, help="Calibration windows of --seq-len tokens for the one-shot statistics (and --refit); DDP trains on the whole calibration text but its last window, held out.")
-@click.option("--eval-windows", default="8", show_default=True, help="Evaluation windows, or 'all'.")
-@click.option("--seq-len", default=2048, show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--threads", type=int, help="torch CPU threads (default: torch's choice).")
-@click.option("--budget", default="params", show_default=True, type=click.Choice(["params", "latency"]),
-              help="What --retain counts: parameters, or the target's predicted latency.")
-@click.option("--layout", default="uniform", show_default=True,
-              help="uniform: same shape every layer (plain config); per-layer (--method ddp): DeciLM or plugin package.")
-@click.option("--steps", default=80, show_default=True, help="DDP gate-training steps, each on --ddp-batch pieces of --ddp-seq-len tokens.")
-@click.option("--ddp-batch", type=int, help="DDP: sequences a step (default: 4 in the uniform layout, 1 per layer).")
-@click.option("--ddp-seq-len", default=1024, show_default=True, help="DDP: tokens a training sequence (the whole window if it does not divide --seq-len).")
-@click.option("--ddp-lr", default=0.05, show_default=True, help="DDP: the gates' learning rate.")
-@click.option("--ddp-lr-end", type=float, help="DDP: the learning rate falls along a cosine to this (default: lr / 10 in the uniform layout, constant per layer).")
-@click.option("--ddp-beta", default=25.0, show_default=True, help="DDP: the augmented-Lagrangian penalty on the budget.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted DDP, RoI or heal training from its checkpoint (keyed by content: the same command).")
-@click.option("--si-steps", default=20, show_default=True, help="SI: optimisation steps per block.")
-@click.option("--roi-steps", default=120, show_default=True, help="RoI: mask-training steps (--roi-seq-len tokens each).")
-@click.option("--roi-seq-len", default=2048, show_default=True,
-              help="RoI: tokens per step, a chunk of a calibration window (the whole window if it does not divide --seq-len).")
-@click.option("--roi-prior", default="wanda", show_default=True, type=click.Choice(["wanda", "sparsegpt"]),
-              help="RoI's one-shot start: SparseGPT's mask and weight update, or Wanda scores.")
-@click.option("--calib-dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16"]),
-              help="Precision of the one-shot calibration and DDP training passes (statistics, gates and "
-                   "losses stay fp32); auto = bf16 where "
-                   "the hardware has it natively.")
-@click.option("--refit/--no-refit", default=True, show_default=True,
-              help="Structured methods: refit the kept o_proj / down_proj columns by least squares on the "
-                   "calibration windows, so they make up for what was removed (weights change; same shapes; "
-                   "kept only if the held-out calibration loss falls).")
-@click.option("--refit-damp", default=0.1, show_default=True,
-              help="--refit: the ridge toward the masked weights, times the Gram matrix's mean diagonal.")
-@click.option("--heal-tokens", default=36_864, show_default=True,
-              help="Heal after surgery: distil the pruned model from the dense one for this many tokens (0: no healing).")
-@click.option("--heal-time", type=float, help="Heal: stop training after this many seconds (checkpointed; the package is written).")
-@click.option("--heal-data", multiple=True, type=click.Path(),
-              help="Heal on this text file, or JSON records (.jsonl, .json) with a `text` field or chat `messages` (repeatable; "
-                   "default: the calibration text, and with the built-in corpus its other samples: stories, "
-                   "technical, code, multilingual). It must not hold the evaluation text.")
-@click.option("--heal-lr", type=float,
-              help="Heal: the peak learning rate, a cosine to a thirtieth of it (default: AdamW 3e-4; "
-                   "--heal-memory lean's Adafactor 1e-2, relative to each weight's size).")
-@click.option("--heal-memory", default="fast", show_default=True,
-              help="Heal: fast keeps activations and AdamW's two moments; lean recomputes each block's "
-                   "activations and trains with Adafactor (factored state): what fits an 8B model on one 80 GB GPU.")
-@click.option("--heal-chat", type=int,
-              help="Heal: mix in this many chat answers the dense model writes to built-in instructions "
-                   "(a quarter of the heal sequences), so an Instruct model keeps its chat behaviour "
-                   "(default: 40 where the model has a chat template, else 0).")
-@click.option("--heal-batch", default=1, show_default=True,
-              help="Heal: sequences a step (with several processes under torchrun, rounded up to a multiple of them).")
-@click.option("--heal-device", default="auto", show_default=True,
-              help="Where the heal trains: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:N.")
+@click.option("--target", "-t", help=_doc("target"))
+@click.option("-o", "--out", type=click.Path(), help=_doc("out"))
+@click.option("--format", "format", type=click.Choice(["vllm", "onnx"]), help=_doc("format"))
+@click.option("--method", help=_doc("method"))
+@click.option("--retain", type=float, help=_doc("retain"))
+@click.option("--quant", help=_doc("quant"))
+@click.option("--heal-tokens", type=int, help=_doc("heal.tokens"))
 @click.option("--no-heal", is_flag=True, help="Do not heal, whatever --heal-tokens says.")
-@click.option("--quant", default="auto", show_default=True,
-              help="Quantize the pruned (and healed) weights: auto (the precision the target's tensor cores and "
-                   "the engine's kernels accelerate: `profiles`), int8 (W8A8), fp8 (W8A8, E4M3), w4a16 (4-bit "
-                   "weights for memory-bound decode; never chosen by auto), or none.")
-@click.option("--zeroshot", default=0, show_default=True,
-              help="Score this many documents of each zero-shot task (ARC-Easy, PIQA, HellaSwag; seed 1234): "
-                   "dense, before and after healing, in the report (minutes for 500).")
+@click.option("--calib", type=click.Path(), help=_doc("data.calib"))
+@click.option("--eval", "eval_", type=click.Path(), help=_doc("data.eval"))
+@click.option("--resume", is_flag=True, help=_doc("resume"))
+@click.option("--dry-run", is_flag=True, help="Print the plan and the predicted speedup, then stop.")
+@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
+              help="Any setting, e.g. --set ddp.steps=120 --set heal.lr=1e-4 (repeatable; --help-all lists them).")
+@click.option("--config", "config_file", type=click.Path(), metavar="FILE",
+              help="YAML or JSON file of settings, nested or dotted (ddp: {steps: 120} or ddp.steps: 120); "
+                   "applied before --set.")
+@click.option("--help-all", is_flag=True, is_eager=True, expose_value=False, callback=_show_help_all,
+              help="List every setting with its type, default and help, then exit.")
 @one_line_errors
-def optimize(model, target, method, sparsity, retain, calib, eval_, out, fmt, onnx_dtype, onnx_int8, dry_run, engine_version, calib_windows,
-             eval_windows, seq_len, seed, threads, budget, layout, steps, ddp_batch, ddp_seq_len, ddp_lr, ddp_lr_end,
-             ddp_beta, resume, si_steps, roi_steps, roi_seq_len, roi_prior, calib_dtype, refit, refit_damp,
-             heal_tokens, heal_time, heal_data, heal_lr, heal_memory, heal_chat, heal_batch, heal_device, no_heal, quant,
-             zeroshot):
+def optimize(model, dry_run, no_heal, assignments, config_file, **options):
     """Prune MODEL for a target GPU and write a vLLM-ready package.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
     SmolLM2-135M-Instruct is used.
     """
-    from optimizer.pipeline import (DataConfig, DDPSettings, HealSettings, OptimizeConfig, RefitSettings, RoISettings,
-                                    SISettings, optimize as run)
-    from click.core import ParameterSource
-    ctx = click.get_current_context()
-    asked = any(ctx.get_parameter_source(p) == ParameterSource.COMMANDLINE for p in ("refit", "refit_damp"))
-    if eval_windows != "all" and not eval_windows.isdigit():
-        raise UserError(f"--eval-windows must be a number or 'all', got {eval_windows!r}")
-    data = DataConfig(calib=calib, eval=eval_, seq_len=seq_len, calib_windows=calib_windows,
-                      eval_windows=None if eval_windows == "all" else int(eval_windows))
-    run(OptimizeConfig(model=model, target=target, method=method, retain=retain, sparsity=sparsity, budget=budget,
-                       layout=layout, format=fmt, onnx_dtype=onnx_dtype, onnx_int8=onnx_int8, out=out, engine_version=engine_version,
-                       data=data, calib_dtype=calib_dtype, seed=seed, threads=threads, resume=resume,
-                       refit=RefitSettings(damp=refit_damp, asked=asked) if refit else None,
-                       ddp=DDPSettings(steps=steps, batch=ddp_batch, seq_len=ddp_seq_len, lr=ddp_lr, lr_end=ddp_lr_end,
-                                       beta=ddp_beta),
-                       roi=RoISettings(steps=roi_steps, seq_len=roi_seq_len, prior=roi_prior),
-                       si=SISettings(steps=si_steps),
-                       heal=HealSettings(tokens=0 if no_heal else heal_tokens, time_s=heal_time,
-                                         data=list(heal_data) or None, lr=heal_lr, memory=heal_memory, chat=heal_chat,
-                                         batch=heal_batch, device=heal_device),
-                       quant=quant, zeroshot=zeroshot),
-        dry_run=dry_run)
+    from optimizer import config
+    from optimizer.pipeline import OptimizeConfig, optimize as run
+    cfg = OptimizeConfig()
+    if config_file:
+        config.apply(cfg, config.read_config_file(config_file), origin=f"--config {config_file}")
+    config.apply(cfg, config.parse_assignments(assignments))
+    for name, value in options.items():  # click has typed these already
+        if value is not None and value is not False:
+            section, _, key = OPTIONS[name].rpartition(".")
+            setattr(getattr(cfg, section) if section else cfg, key, value)
+    if model is not None:
+        cfg.model = model
+    if no_heal:
+        cfg.heal.tokens = 0
+    run(cfg, dry_run=dry_run)
 
 
 @click.command()

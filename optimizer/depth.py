@@ -36,12 +36,12 @@ def blocks_to_keep(num_layers: int, retain: float) -> int:
 
 def check(cfg, adapter, config) -> None:
     """What --method depth does not do, refused in one line before any work (`config`: the model's)."""
-    if cfg.refit is not None and cfg.refit.asked:
-        raise UserError("--refit refits the kept columns of pruned heads and channels; --method depth keeps "
-                        "every block it keeps whole: drop --refit")
-    if cfg.budget != "params":
+    if cfg.refit.on:
+        raise UserError("refit.on=true: the refit refits the kept columns of pruned heads and channels; --method "
+                        "depth keeps every block it keeps whole: drop it")
+    if cfg.retain_by != "params":
         raise UserError("--method depth removes whole blocks, each the same share of parameters and of time: "
-                        "drop --budget")
+                        "drop retain_by")
     retain = cfg.retain
     if config.num_hidden_layers < 3:
         raise UserError(f"--method depth removes whole blocks between the first and the last; this model has "

@@ -154,8 +154,8 @@ def _heal(student, teacher, text, s: HealSettings, device, *, held_out, trainer,
     if world > 1:
         log(f"healed on {world} processes, {batch // world} sequence(s) each a step")
     if kept_unhealed:
-        log("healing made the held-out KL worse: the package keeps the unhealed weights (a lower --heal-lr "
-            "or other --heal-data may heal this model)")
+        log("healing made the held-out KL worse: the package keeps the unhealed weights (a lower heal.lr "
+            "or other heal.data may heal this model)")
     del unhealed
     report = HealReport(
         data=source, tokens_requested=s.tokens, tokens=done * batch * seq, steps=done, steps_planned=steps,

@@ -63,7 +63,7 @@ def heal_text(s, tok, calib, chat: str | None, files_text: str | None = None) ->
         try:
             chunks = data.token_windows(tok, text, s.seq_len)
         except UserError as e:
-            raise UserError(f"--heal-data {', '.join(str(p) for p in s.data)}: {e}") from None
+            raise UserError(f"heal.data={','.join(str(p) for p in s.data)}: {e}") from None
     else:
         train = calib.train
         chunks = train.reshape(-1, heal_seq_len(s, train.shape[1]))
@@ -192,7 +192,7 @@ def teacher_chat(teacher, tok, n: int, seed: int, max_new_tokens: int = 128, bat
     whatever the batch, so one wide batch costs far less than several narrow ones; 128 tokens an
     answer keeps the default job within its 15 minutes on 2 CPU cores (README, "Healing")."""
     if not getattr(tok, "chat_template", None):
-            raise UserError("--heal-chat needs a model with a chat template")
+            raise UserError("heal.chat needs a model with a chat template")
     gen = torch.Generator().manual_seed(seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     turns = []

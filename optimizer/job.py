@@ -243,7 +243,7 @@ class Job:
         """The quantize stage's settings: the plan's precision, for this package's engine."""
         return quantize.QuantConfig(precision=self.plan.quant, reason=self.plan.quant_reason,
                                     target_kind=self.target.kind, calib_dtype=self.cfg.calib_dtype,
-                                    onnx_int8=self.cfg.onnx_int8 if self.cfg.format == "onnx" else None)
+                                    onnx_int8=self.cfg.onnx.int8 if self.cfg.format == "onnx" else None)
 
     def remove_checkpoints(self) -> None:
         """The package is in place: the training checkpoints behind it have nothing left to resume

@@ -14,13 +14,13 @@ from typing import Callable
 from core.errors import UserError
 from optimizer import budget, distributed, load, plan as planner, profiles, registry, sparsity
 from optimizer.adapters import MoEAdapter, get_adapter, onnx_families
-from optimizer.config import (DataConfig, DDPSettings, HealSettings, OptimizeConfig, RefitSettings, RoISettings,
-                              SISettings, validate)
+from optimizer.config import (DataConfig, DDPSettings, HealSettings, OnnxSettings, OptimizeConfig, RefitSettings,
+                              RoISettings, SISettings, validate)
 from optimizer.job import Job, staged
 from optimizer.moe_surgery import expert_width_to_keep, experts_to_keep
 
 __all__ = ["optimize", "validate", "OptimizeConfig", "DataConfig", "DDPSettings", "RoISettings", "SISettings",
-           "RefitSettings", "HealSettings"]
+           "RefitSettings", "HealSettings", "OnnxSettings"]
 
 
 def _depth_would_run(cfg: OptimizeConfig, adapter, hf_config) -> bool:
@@ -65,9 +65,9 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     if plan.sparsity and cfg.format != "vllm":
         raise UserError(f"semi-structured packages are vLLM packages (onnxruntime has no 2:4 kernel); "
                         f"drop --format {cfg.format} or use --method structured")
-    if plan.sparsity and cfg.refit is not None and cfg.refit.asked:
-        raise UserError(f"--refit applies to structured methods (removed heads and channels); the plan is "
-                        f"semi-structured ({plan.method}): drop --refit or use --method structured")
+    if plan.sparsity and cfg.refit.on:
+        raise UserError(f"refit.on=true: the refit applies to structured methods (removed heads and channels); the "
+                        f"plan is semi-structured ({plan.method}): drop it or use --method structured")
     if plan.sparsity and cfg.quant not in ("none", "auto"):
         raise UserError(f"the plan is semi-structured ({plan.method}), which is not quantized yet: "
                         f"use --method structured or --quant none")
@@ -86,14 +86,14 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     if plan.quant == "w4a16" and target.kind != "cpu":  # the cpu target refuses shapes its kernel cannot take
         plan.quant_reason += _marlin_note(hf_config.hidden_size)
     if cfg.format == "onnx" and plan.quant == "int8":  # not vLLM's kernel table: onnxruntime's own INT8
-        form = ("dynamic INT8 (MatMulInteger" if cfg.onnx_int8 == "dynamic" else
+        form = ("dynamic INT8 (MatMulInteger" if cfg.onnx.int8 == "dynamic" else
                 "static INT8 in QDQ form (QuantizeLinear / DequantizeLinear pairs")
         plan.quant_reason = (f"--quant int8 requested: onnxruntime's {form}, run by onnxruntime on the CPU), "
                              f"whatever kernels the target's GPU has" if cfg.quant == "int8" else
                              f"the cpu target's INT8 kernels (VNNI / AMX) through onnxruntime's {form}, its CPU "
                              f"provider's integer kernels)")
-    if cfg.onnx_int8 != "dynamic" and plan.quant != "int8":
-        raise UserError(f"--onnx-int8 {cfg.onnx_int8} needs INT8 weights, but "
+    if cfg.onnx.int8 != "dynamic" and plan.quant != "int8":
+        raise UserError(f"onnx.int8={cfg.onnx.int8} needs INT8 weights, but "
                         f"{plan.quant_reason.removesuffix(' (--quant auto)')}")
     if cfg.format == "onnx" and not adapter.onnx_export:
         raise UserError(f"{adapter.family}: ONNX export covers the LLaMA-shaped families "
@@ -103,7 +103,7 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         from optimizer.depth import check
         check(cfg, adapter, hf_config)
     if cfg.layout == "per-layer" and not adapter.per_layer:
-        raise UserError(f"{adapter.family}: no per-layer model class for this family; use --layout uniform")
+        raise UserError(f"{adapter.family}: no per-layer model class for this family; use layout=uniform")
     if moe:
         n_keep, width = experts_to_keep(adapter, hf_config, cfg.retain), expert_width_to_keep(adapter, hf_config, cfg.retain)
         plan.prediction = planner.roofline_experts(target, adapter, hf_config, n_keep, meta_params(hf_config), width=width)
@@ -155,13 +155,13 @@ def check_moe(cfg: OptimizeConfig, adapter) -> None:
                         f"drop --format {cfg.format}")
     if cfg.layout != "uniform":
         raise UserError(f"{adapter.family}: MoE models keep the same number of experts in every layer "
-                        f"(a stock config); use --layout uniform")
-    if cfg.refit is not None and cfg.refit.asked:
-        raise UserError("--refit refits the kept columns of pruned heads and channels of dense blocks; MoE "
-                        "packages (whole experts removed) are not refit: drop --refit")
-    if cfg.budget != "params":
-        raise UserError("--budget latency applies to heads and channels; for MoE models --retain is the share "
-                        "of routed-expert parameters kept: drop --budget")
+                        f"(a stock config); use layout=uniform")
+    if cfg.refit.on:
+        raise UserError("refit.on=true: the refit refits the kept columns of pruned heads and channels of dense "
+                        "blocks; MoE packages (whole experts removed) are not refit: drop it")
+    if cfg.retain_by != "params":
+        raise UserError("retain_by=latency applies to heads and channels; for MoE models --retain is the share "
+                        "of routed-expert parameters kept: drop it")
     if cfg.quant not in ("none", "auto"):
         raise UserError(f"{adapter.family}: MoE packages are not quantized yet (the fused 3-D expert tensors "
                         f"need their own scheme): use --quant none or auto")
@@ -182,7 +182,7 @@ def _not_quantized(cfg: OptimizeConfig, plan, moe: bool = False) -> str | None:
     if cfg.format != "vllm" and plan.target.kind != "cpu":
         return ("ONNX packages for a GPU keep fp32 weights (onnxruntime's INT8 kernels are its CPU provider's; "
                 "--quant int8 to ask)")
-    if cfg.format != "vllm" and cfg.onnx_dtype != "float32":
+    if cfg.format != "vllm" and cfg.onnx.dtype != "float32":
         return "a float16 ONNX package is not quantized (INT8 is quantized from the float32 graph)"
     if plan.sparsity:
         return "2:4 packages keep 16-bit weights (vLLM's 2:4 kernels are unquantized)"

@@ -73,7 +73,7 @@ def _heal_lines(m: Manifest) -> list[str]:
                      f"and retried at lr {h['attempts'][-1]['lr']:.0e}.")
     if h.get("kept_unhealed"):
         lines.append("**Healing made that KL worse, so the package keeps the unhealed weights** (try a lower "
-                     "`--heal-lr` or other `--heal-data`).")
+                     "`heal.lr` or other `heal.data`).")
     if q and "perplexity" in b and not h.get("kept_unhealed"):
         healed = q.get("pruned_unquantized", q["pruned"])  # the package's, where nothing was quantized
         lines.append(f"Perplexity on the evaluation text: {b['perplexity']:.3f} before healing, "

@@ -71,12 +71,12 @@ def parse(text: str) -> Sparsity:
     if m:
         n, mm = int(m.group(1)), int(m.group(2))
         if not (1 <= n < mm) or mm > 64:
-            raise UserError(f"--sparsity {text}: an N:M pattern needs 1 <= N < M <= 64 (e.g. 2:4, 4:8, 2:8)")
+            raise UserError(f"sparsity={text}: an N:M pattern needs 1 <= N < M <= 64 (e.g. 2:4, 4:8, 2:8)")
         return Sparsity(n=n, m=mm)
     try:
         frac = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
-        raise UserError(f"--sparsity '{text}': expected N:M (e.g. 2:4) or a fraction in (0, 1) (e.g. 0.5)") from None
+        raise UserError(f"sparsity='{text}': expected N:M (e.g. 2:4) or a fraction in (0, 1) (e.g. 0.5)") from None
     if not 0 < frac < 1:
-        raise UserError(f"--sparsity {text}: the pruned fraction must be in (0, 1)")
+        raise UserError(f"sparsity={text}: the pruned fraction must be in (0, 1)")
     return Sparsity(fraction=frac)

@@ -48,7 +48,7 @@ class Structured:
     def method(self, job: Job) -> Decision:
         cfg, model, adapter, calib = job.cfg, job.model, job.adapter, job.calib
         config = model.config
-        costs = (adapter.unit_params(config) if cfg.budget == "params"
+        costs = (adapter.unit_params(config) if cfg.retain_by == "params"
                  else planner.unit_latency_costs(job.target, adapter, config))
         if job.plan.method == "activation":
             method, detail, refit_stats = observe_activation(job)
@@ -67,7 +67,7 @@ class Structured:
             job.log(f"shape: {shape.num_heads} heads / {shape.num_kv_heads} KV heads / {shape.intermediate_size} "
                     f"channels per block (dense {adapter.dense_shape(config).__dict__}), "
                     f"retention {chosen['retain']:.3f} of block parameters"
-                    + (f", {chosen['retain_budget']:.3f} of predicted latency" if cfg.budget == "latency" else ""))
+                    + (f", {chosen['retain_budget']:.3f} of predicted latency" if cfg.retain_by == "latency" else ""))
         masks = refit(job, refit_stats, masks, detail)
         return Decision(masks, detail, {"shape": shape, "chosen": chosen, "tried": tried})
 
@@ -95,7 +95,7 @@ class Structured:
         shape, chosen, per_layer = x["shape"], x["chosen"], x.get("per_layer")
         # the roofline of the shape surgery achieved (the plan's is of the nominal one)
         prediction = planner.roofline(target, adapter, config, shape, **planner.quant_prediction(job.plan))
-        method = {"name": job.plan.method, "plan": job.plan.method, "layout": cfg.layout, "budget": cfg.budget,
+        method = {"name": job.plan.method, "plan": job.plan.method, "layout": cfg.layout, "budget": cfg.retain_by,
                   "retain_requested": cfg.retain, "retain_achieved": chosen["retain"],
                   "retain_budget_achieved": chosen["retain_budget"],
                   "dense_shape": adapter.dense_shape(config).__dict__, "shape": shape.__dict__,
@@ -120,7 +120,7 @@ class Structured:
                                            manifest.method["format"])
         else:
             exporter(job.cfg.format).write_package(job.tmp, job.out, pruned, job.tok, manifest, report.render(manifest),
-                                                   **({"dtype": job.cfg.onnx_dtype,  # and the INT8 activation hooks
+                                                   **({"dtype": job.cfg.onnx.dtype,  # and the INT8 activation hooks
                                                        "int8": quantized.ort_int8 if quantized else None}
                                                       if job.cfg.format == "onnx"
                                                       else {"finish_checkpoint": job.finish_checkpoint}))
@@ -151,13 +151,13 @@ def observe_activation(job: Job):
     # At retention 1 every unit stays whatever the scores, so there is nothing to observe.
     stats = job.calib.train[: job.cfg.data.calib_windows] if job.cfg.retain < 1 else job.calib.train[:0]
     grams = None
-    if job.cfg.refit is not None and len(stats):
+    if job.cfg.refit.on is not False and len(stats):
         need, room = RefitStatistics.bytes_needed(job.model, job.adapter), available_memory() // 4
         if need <= room:
             grams = RefitStatistics(job.model, job.adapter)
         else:
             job.log(f"refit: skipped, its statistics would take {need / 2**30:.1f} GiB, more than a quarter of the "
-                    f"{4 * room / 2**30:.1f} GiB of memory available (--no-refit silences this)")
+                    f"{4 * room / 2**30:.1f} GiB of memory available (refit.on=false silences this)")
     try:
         for w in tqdm(stats, desc="calibrating", unit="win"):
             importance.observe(w[None])
@@ -187,7 +187,7 @@ def train_ddp(job: Job, costs):
     d = cfg.data
     seq = cfg.ddp.seq_len if d.seq_len % cfg.ddp.seq_len == 0 else d.seq_len
     chunks = job.calib.train.reshape(-1, seq)
-    ckpt = job.checkpoint("ddp", [seq, cfg.budget, list(costs), vars(ddp_cfg), start])
+    ckpt = job.checkpoint("ddp", [seq, cfg.retain_by, list(costs), vars(ddp_cfg), start])
     run = job.trainer.train(ddp, chunks, ddp_cfg.steps, ddp_cfg.batch, ckpt, "DDP gates",
                     lambda s: {"kd": f"{s['kd']:.3f}", "retain": f"{s['retain']:.3f}", "lam": f"{s['lambda']:.2f}"})
     ddp.close()
@@ -227,7 +227,7 @@ def refit(job: Job, stats, masks, detail: dict):
     goes down: the refit can raise it though each projection's own error falls
     (bench/results/ddp-refit/README.md)."""
     settings = job.cfg.refit
-    if settings is None or stats is None:
+    if settings.on is False or stats is None:
         return masks
     from optimizer.refit import refit_masks
     model, adapter = job.model, job.adapter

@@ -26,11 +26,12 @@ def test_optimize_writes_a_complete_package(tiny_dirs, text_file, tmp_path, fami
     other = tmp_path / "eval.txt"  # the evaluation text is never the heal (calibration) text
     other.write_text("\n".join(f"Line {i} of another text, on other things than the calibration." for i in range(300)))
     r = _run(optimize, [tiny_dirs[family], "--target", "l4", "--retain", "0.6", "--calib", text_file,
-                        "--eval", other, "--seq-len", "64", "--calib-windows", "4", "--eval-windows", "2",
+                        "--eval", other, "--set", "data.seq_len=64", "--set", "data.calib_windows=4",
+                        "--set", "data.eval_windows=2",
                         "--heal-tokens", "1024", "-o", out,
                         # the teacher's chat answers (on by default: the tokenizer has a chat template)
                         # cost ~20 s on the tiny model: once is enough
-                        *(["--heal-chat", "0"] if family == "qwen2" else [])])
+                        *(["--set", "heal.chat=0"] if family == "qwen2" else [])])
     assert r.exit_code == 0, r.output
     for f in ("config.json", "model.safetensors", "tokenizer.json", "manifest.json", "report.md",
               "launch.sh", "Dockerfile"):
@@ -79,14 +80,112 @@ def test_on_the_cpu_target_auto_removes_whole_blocks_where_they_pay():
         assert r.exit_code == 0 and "method: activation" in r.output
         assert f"{kept} of 30 whole blocks instead (--method depth)" in r.output
     for other in (["--target", "a100"], ["--target", "cpu", "--format", "onnx"],  # not measured there
-                  ["--target", "cpu", "--refit"], ["--target", "cpu", "--budget", "latency"]):  # depth refuses these
+                  ["--target", "cpu", "--set", "refit.on=true"],  # depth refuses these two
+                  ["--target", "cpu", "--set", "retain_by=latency"]):
         r = _run(optimize, [*other, "--retain", "0.7", "--dry-run"])
         assert r.exit_code == 0 and "method: activation" in r.output and "depth" not in r.output, other
 
 
 def test_h100_with_an_old_vllm_sees_the_2to4_kernel(tiny_dirs):
-    r = _run(optimize, [tiny_dirs["llama"], "--target", "h100", "--dry-run", "--engine-version", "0.18.0"])
+    r = _run(optimize, [tiny_dirs["llama"], "--target", "h100", "--dry-run", "--set", "engine_version=0.18.0"])
     assert r.exit_code == 0 and "2:4 kernel available" in r.output
+
+
+def test_help_is_a_page_and_help_all_lists_every_setting():
+    """--help: the dozen options a person reads, with room for the frontier search's --max-loss and
+    --min-speedup; every other setting is --set / --config, listed by --help-all from the dataclasses."""
+    import click
+    from optimizer import config
+    ctx = click.Context(optimize)
+    names = {name for p in optimize.get_params(ctx) if isinstance(p, click.Option) for name in p.opts}
+    working = [p for p in optimize.get_params(ctx) if isinstance(p, click.Option)
+               and not {"--help", "--help-all"} & set(p.opts)]
+    assert len(working) + 2 <= 16, [p.opts for p in working]  # + --max-loss, --min-speedup to come
+    assert {"--target", "-t", "-o", "--out", "--format", "--retain", "--method", "--quant", "--heal-tokens",
+            "--no-heal", "--calib", "--eval", "--resume", "--dry-run", "--set", "--config", "--help-all"} <= names
+    r = _run(optimize, ["--help"])
+    assert r.exit_code == 0 and "--set KEY=VALUE" in r.output and "[default: 0.7]" in r.output
+    assert "--ddp-lr" not in r.output and "--budget" not in r.output
+    r = _run(optimize, ["--help-all"])
+    assert r.exit_code == 0
+    lines = r.output.splitlines()
+    for key, _, _, _ in config.all_settings():
+        assert any(line.split()[:1] == [key] for line in lines), key
+    steps = next(line for line in lines if line.split()[:1] == ["ddp.steps"])
+    assert steps.split()[1:3] == ["int", "80"] and "gate-training steps" in steps
+    assert "(--heal-tokens, --no-heal: 0)" in r.output
+
+
+def _settings(monkeypatch, args):
+    """The OptimizeConfig the CLI builds from `args` (the pipeline not run)."""
+    import optimizer.pipeline
+    seen = {}
+    monkeypatch.setattr(optimizer.pipeline, "optimize", lambda cfg, dry_run: seen.update(cfg=cfg, dry_run=dry_run))
+    r = _run(optimize, args)
+    assert r.exit_code == 0, r.output
+    return seen["cfg"]
+
+
+def test_set_parses_each_settings_type(monkeypatch):
+    cfg = _settings(monkeypatch, ["--set", "ddp.steps=120", "--set", "heal.lr=1e-4", "--set", "data.seq_len=1024",
+                                  "--set", "seed=3", "--set", "onnx.int8=qdq", "--set", "data.eval_windows=none",
+                                  "--set", "refit.on=false", "--set", "heal.data=a.txt, b.jsonl", "--set", "sparsity=4:8",
+                                  "--set", "heal.seq-len=64", "--set", "ddp.lr_end=0"])
+    assert (cfg.ddp.steps, cfg.heal.lr, cfg.data.seq_len, cfg.seed, cfg.onnx.int8) == (120, 1e-4, 1024, 3, "qdq")
+    assert cfg.data.eval_windows is None and cfg.refit.on is False and cfg.heal.data == ["a.txt", "b.jsonl"]
+    assert (cfg.sparsity, cfg.heal.seq_len, cfg.ddp.lr_end) == ("4:8", 64, 0.0)
+    assert isinstance(cfg.ddp.steps, int) and isinstance(cfg.ddp.lr_end, float)
+    default = _settings(monkeypatch, [])
+    assert default.refit.on is None and default.heal.tokens == 36_864 and default.retain == 0.7
+
+
+def test_a_config_file_nested_or_dotted_then_set_then_options(monkeypatch, tmp_path):
+    """--config first, --set over it, the command line's options over both; YAML's own typing is not
+    used (an unquoted 2:4 stays the pattern, not the base-60 number 124); JSON is YAML."""
+    f = tmp_path / "run.yaml"
+    f.write_text("ddp:\n  steps: 120\n  lr: 0.1\nheal.lr: 1e-4\nheal:\n  data: [a.txt, b.txt]\nsparsity: 2:4\n"
+                 "retain: 0.5\nrefit: {on: true}\n")
+    cfg = _settings(monkeypatch, ["--config", f, "--set", "ddp.steps=7", "--retain", "0.6"])
+    assert (cfg.ddp.steps, cfg.ddp.lr, cfg.heal.lr, cfg.heal.data) == (7, 0.1, 1e-4, ["a.txt", "b.txt"])
+    assert (cfg.sparsity, cfg.retain, cfg.refit.on) == ("2:4", 0.6, True)
+    j = tmp_path / "run.json"
+    j.write_text(json.dumps({"ddp": {"steps": 9}, "heal.tokens": 0, "threads": None, "resume": True}))
+    cfg = _settings(monkeypatch, ["--config", j, "--heal-tokens", "512"])
+    assert (cfg.ddp.steps, cfg.heal.tokens, cfg.threads, cfg.resume) == (9, 512, None, True)
+    assert _settings(monkeypatch, ["--config", j, "--heal-tokens", "512", "--no-heal"]).heal.tokens == 0
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--set", "ddp.step=3"], "unknown setting 'ddp.step' (did you mean ddp.steps"),
+    (["--set", "ddp.step=3"], "ddp has: steps, batch, seq_len, lr, lr_end, beta"),
+    (["--set", "seq_len=64"], "did you mean data.seq_len"),
+    (["--set", "dpp.steps=3"], "sections: data, refit, ddp"),
+    (["--set", "ddp=3"], "'ddp' is a section"),
+    (["--set", "ddp.steps=abc"], "ddp.steps takes an integer, got 'abc'"),
+    (["--set", "ddp.steps=1.5"], "ddp.steps takes an integer"),
+    (["--set", "heal.lr=fast"], "heal.lr takes a number or none, got 'fast'"),
+    (["--set", "resume=maybe"], "resume takes true or false"),
+    (["--set", "ddp.steps"], "--set takes KEY=VALUE"),
+    (["--config", "/no/such/file.yaml"], "--config /no/such/file.yaml: No such file"),
+    (["--set", "onnx.int8=static", "--dry-run"], "unknown onnx.int8 'static'"),
+])
+def test_a_bad_setting_is_one_line_exit_2(tmp_path, args, expect):
+    _bad(tmp_path, ["--target", "a100", *args], expect)
+
+
+def test_a_bad_config_file_is_one_line_exit_2(tmp_path):
+    f = tmp_path / "bad.yaml"
+    for text, expect in (("ddp: {steps: [1, 2]}", "ddp.steps takes an integer"), ("- a\n- b", "expected a mapping"),
+                         ("ddp: {steps: 1", "not YAML or JSON"), ("heal: {tokns: 5}", "did you mean heal.tokens")):
+        f.write_text(text)
+        _bad(tmp_path, ["--config", f], expect)
+
+
+@pytest.mark.parametrize("args", [["--method", "wanda", "--set", "refit.on=true"],
+                                  ["--method", "semi-structured", "--set", "refit.on=yes", "--set", "refit.damp=0.2"]])
+def test_a_refit_asked_for_where_it_does_not_apply_is_refused(tmp_path, args):
+    """The default refit (refit.on none) is skipped quietly where it does not apply; one asked for is refused."""
+    _bad(tmp_path, ["--target", "a100", "--dry-run", *args], "refit.on=true: the refit applies to structured methods")
 
 
 def _bad(tmp_path, args, expect):
@@ -121,7 +220,8 @@ def test_corrupt_model(tmp_path, tiny_dirs):
     (bad / "model.safetensors").write_bytes(b"garbage" * 100)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (bad / f).write_text((tiny_dirs["llama"] / f).read_text())
-    _bad(tmp_path, [bad, "--target", "a100", "--calib-windows", "1", "--eval-windows", "1"], "could not load the model")
+    _bad(tmp_path, [bad, "--target", "a100", "--set", "data.calib_windows=1",
+         "--set", "data.eval_windows=1"], "could not load the model")
 
 
 def test_not_a_gguf_file(tmp_path):
@@ -200,7 +300,7 @@ def test_failure_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file
     monkeypatch.setattr(optimizer.evaluate, "perplexity", boom)
     with pytest.raises(RuntimeError):
         CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
-                                      "--eval", str(text_file), "--seq-len", "64", "--no-heal",
+                                      "--eval", str(text_file), "--set", "data.seq_len=64", "--no-heal",
                                       "-o", str(tmp_path / "new" / "dirs" / "pkg")],
                            catch_exceptions=False)
     assert list(tmp_path.iterdir()) == []  # nor the directories -o asked for above the package
@@ -215,7 +315,8 @@ def test_sigterm_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file
     import time
     cmd = [sys.executable, "-c", "from optimizer.cli import optimize; optimize()", str(tiny_dirs["llama"]),
            "--target", "a100", "--method", "ddp", "--calib", str(text_file), "--eval", str(text_file),
-           "--seq-len", "64", "--steps", "100000", "--no-heal", "--threads", "1", "-o", str(tmp_path / "pkg")]
+           "--set", "data.seq_len=64", "--set", "ddp.steps=100000", "--no-heal", "--set", "threads=1",
+           "-o", str(tmp_path / "pkg")]
     env = {**os.environ, "OPTIMIZER_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
@@ -459,8 +560,9 @@ def test_the_ideal_ratio_leaves_out_an_untied_input_embedding(tmp_path, tokenize
     tokenizer.save_pretrained(d)
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(d), "--target", "a100", "--method", "activation", "--retain", "0.6",
-                                      "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
-                                      "--calib-windows", "2", "--eval-windows", "1", "--no-heal", "--quant", "none", "-o", str(out)])
+                                      "--calib", str(text_file), "--eval", str(text_file), "--set", "data.seq_len=64",
+                                      "--set", "data.calib_windows=2", "--set", "data.eval_windows=1", "--no-heal",
+                                      "--quant", "none", "-o", str(out)])
     assert r.exit_code == 0, r.output
     size = json.loads((out / "manifest.json").read_text())["size"]
     lookup = cfg.vocab_size * cfg.hidden_size

@@ -112,7 +112,7 @@ def test_optimize_depth_writes_a_healed_int8_package_with_fewer_blocks(tmp_path,
 @pytest.mark.parametrize("args, message", [
     ({"layout": "per-layer"}, "needs --method ddp"),
     ({"retain": 0.95}, "keeps all 6 blocks"),
-    ({"budget": "latency"}, "drop --budget"),
+    ({"retain_by": "latency"}, "drop retain_by"),
 ])
 def test_what_depth_does_not_do_is_refused_in_one_line_before_any_work(tmp_path, tokenizer, args, message):
     src = _deep_dir(tmp_path, tokenizer)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 
-import click
 import pytest
 import torch
 import torch.nn.functional as F
@@ -205,8 +204,10 @@ def _heal_tiny_llama(tiny_dirs, text_file, tmp_path, *heal_args):
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
                                       "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
-                                      "--heal-data", str(other), *heal_args, "--heal-chat", "0", "--seq-len", "128",
-                                      "--calib-windows", "2", "--eval-windows", "1", "--quant", "none", "-o", str(out)],
+                                      "--set", f"heal.data={other}", *heal_args, "--set", "heal.chat=0",
+                                      "--set", "data.seq_len=128",
+                                      "--set", "data.calib_windows=2", "--set", "data.eval_windows=1",
+                                      "--quant", "none", "-o", str(out)],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     return r, out
@@ -228,7 +229,7 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
 
 def test_a_heal_that_makes_the_held_out_kl_worse_is_not_shipped(tiny_dirs, text_file, tmp_path):
     """A learning rate far too high wrecks the student: the package keeps the unhealed weights and says so."""
-    r, out = _heal_tiny_llama(tiny_dirs, text_file, tmp_path, "--heal-tokens", "1024", "--heal-lr", "1.0")
+    r, out = _heal_tiny_llama(tiny_dirs, text_file, tmp_path, "--heal-tokens", "1024", "--set", "heal.lr=1.0")
     assert "healing made the held-out KL worse: the package keeps the unhealed weights" in r.output
     m = json.loads((out / "manifest.json").read_text())
     h = m["heal"]
@@ -265,9 +266,11 @@ def test_a_heal_checkpoint_resumes_only_the_same_heal_text(tiny_dirs, text_file,
     def run(text: str, name: str) -> dict:
         heal_file.write_text(text)
         r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6",
-                                          "--calib", str(text_file), "--eval", str(text_file), "--heal-data",
-                                          str(heal_file), "--heal-tokens", "1024", "--heal-chat", "0", "--seq-len", "128",
-                                          "--calib-windows", "2", "--eval-windows", "1", "--quant", "none",
+                                          "--calib", str(text_file), "--eval", str(text_file), "--set",
+                                          f"heal.data={heal_file}", "--heal-tokens", "1024", "--set", "heal.chat=0",
+                                          "--set", "data.seq_len=128",
+                                          "--set", "data.calib_windows=2", "--set", "data.eval_windows=1",
+                                          "--quant", "none",
                                           "--resume", "-o", str(tmp_path / name)], catch_exceptions=False)
         assert r.exit_code == 0, r.output
         return json.loads((tmp_path / name / "manifest.json").read_text())["heal"]
@@ -286,8 +289,10 @@ def test_optimize_heals_with_lean_memory(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
                                       "--retain", "0.6", "--calib", str(text_file), "--eval", str(text_file),
-                                      "--heal-data", str(other), "--heal-tokens", "4096", "--heal-chat", "0", "--seq-len", "128",
-                                      "--heal-memory", "lean", "--calib-windows", "2", "--eval-windows", "1",
+                                      "--set", f"heal.data={other}", "--heal-tokens", "4096", "--set", "heal.chat=0",
+                                      "--set", "data.seq_len=128",
+                                      "--set", "heal.memory=lean", "--set", "data.calib_windows=2",
+                                      "--set", "data.eval_windows=1",
                                       "--quant", "none", "-o", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "lean memory (Adafactor, activations recomputed per block)" in r.output
@@ -303,9 +308,11 @@ def test_optimize_scores_zero_shot_dense_before_and_after_healing(tiny_dirs, tex
     other.write_text("\n".join(f"Line {i} of another text, about other things than the calibration." for i in range(300)))
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6",
-                                      "--calib", str(text_file), "--eval", str(other), "--seq-len", "64",
-                                      "--calib-windows", "2", "--eval-windows", "1", "--heal-tokens", "512",
-                                      "--heal-chat", "0", "--zeroshot", "3", "--quant", "none", "-o", str(out)], catch_exceptions=False)
+                                      "--calib", str(text_file), "--eval", str(other), "--set", "data.seq_len=64",
+                                      "--set", "data.calib_windows=2", "--set", "data.eval_windows=1",
+                                      "--heal-tokens", "512",
+                                      "--set", "heal.chat=0", "--set", "zeroshot=3", "--quant", "none",
+                                      "-o", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())
     z = m["quality"]["zeroshot"]
@@ -317,14 +324,11 @@ def test_optimize_scores_zero_shot_dense_before_and_after_healing(tiny_dirs, tex
 
 
 def test_the_default_heal_budget_and_chat_answers(tokenizer):
-    from optimizer.cli import optimize
     from optimizer.config import HealSettings
     from optimizer.heal_data import AUTO_CHAT, chat_answers
-    defaults = {p.name: p.default for p in optimize.params}
-    unset = (None, getattr(click.core, "UNSET", None))
-    assert defaults["heal_tokens"] == HealSettings.tokens > 0 and defaults["heal_memory"] == HealSettings.memory
-    assert defaults["heal_lr"] in unset and HealSettings.lr is None  # no default: the optimizer's
-    assert defaults["heal_chat"] in unset and HealSettings.chat is None  # no default: auto
+    # the CLI has no defaults of its own: an option it is not given leaves the dataclass's
+    assert HealSettings().tokens > 0 and HealSettings().memory == "fast"
+    assert HealSettings().lr is None and HealSettings().chat is None  # the optimizer's; auto
     chat = copy.copy(tokenizer)
     chat.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     plain = copy.copy(tokenizer)
@@ -363,15 +367,15 @@ def test_the_default_heal_text_adds_the_built_in_samples_to_the_built_in_corpus_
 
 @pytest.mark.parametrize("args, message", [
     (["--heal-tokens", "-5"], "--heal-tokens must be >= 0, got -5"),
-    (["--heal-chat", "-1"], "--heal-chat must be >= 0, got -1"),
-    (["--heal-batch", "0"], "--heal-batch must be >= 1, got 0"),
+    (["--set", "heal.chat=-1"], "heal.chat must be >= 0, got -1"),
+    (["--set", "heal.batch=0"], "heal.batch must be >= 1, got 0"),
     (["--heal-tokens", "100"], "less than one step"),
-    (["--heal-tokens", "8192", "--heal-time", "0"], "--heal-time"),
-    (["--heal-tokens", "8192", "--heal-data", "/no/such/file.txt"], "no such file"),
-    (["--heal-tokens", "8192", "--heal-lr", "0"], "--heal-lr must be > 0, got 0"),
-    (["--heal-memory", "tiny"], "--heal-memory"),
-    (["--heal-device", "tpu"], "unknown --heal-device 'tpu'"),
-    (["--heal-device", "cuda:99"], "--heal-device cuda:99: torch sees"),  # no machine has 100 GPUs
+    (["--heal-tokens", "8192", "--set", "heal.time_s=0"], "heal.time_s"),
+    (["--heal-tokens", "8192", "--set", "heal.data=/no/such/file.txt"], "no such file"),
+    (["--heal-tokens", "8192", "--set", "heal.lr=0"], "heal.lr must be > 0, got 0"),
+    (["--set", "heal.memory=tiny"], "heal.memory"),
+    (["--set", "heal.device=tpu"], "unknown heal.device 'tpu'"),
+    (["--set", "heal.device=cuda:99"], "heal.device=cuda:99: torch sees"),  # no machine has 100 GPUs
 ])
 def test_bad_heal_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, args, message):
     from optimizer.cli import optimize
@@ -422,7 +426,7 @@ def test_a_malformed_heal_data_file_fails_before_the_model_loads(tiny_dirs, text
     bad.write_text(content)
     for extra in (["--dry-run"], ["-o", str(tmp_path / "out" / "pkg")]):
         r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
-                                          "--heal-data", str(bad), *extra])
+                                          "--set", f"heal.data={bad}", *extra])
         assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
@@ -430,7 +434,7 @@ def test_a_malformed_heal_data_file_fails_before_the_model_loads(tiny_dirs, text
 def test_heal_data_holding_the_evaluation_text_is_refused(tiny_dirs, text_file, tmp_path):
     from optimizer.cli import optimize
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--method", "activation",
-                                      "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
+                                      "--calib", str(text_file), "--eval", str(text_file), "--set", "data.seq_len=64",
                                       "--heal-tokens", "8192", "-o", str(tmp_path / "pkg")])
     assert r.exit_code == 2 and "memory test" in r.output
     assert list(tmp_path.iterdir()) == []
@@ -488,9 +492,11 @@ def test_optimize_under_torchrun_heals_on_two_processes_and_writes_one_package(t
     other = tmp_path / "heal.txt"
     other.write_text(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)))
     args = [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6", "--calib", str(text_file),
-            "--eval", str(text_file), "--heal-data", str(other), "--heal-tokens", "4096", "--heal-chat", "0",
-            "--seq-len", "128", "--calib-windows", "2", "--eval-windows", "1", "--quant", "none", "--threads", "1"]
-    r = CliRunner().invoke(optimize, [*args, "--heal-batch", "2", "-o", str(tmp_path / "one")], catch_exceptions=False)
+            "--eval", str(text_file), "--set", f"heal.data={other}", "--heal-tokens", "4096", "--set", "heal.chat=0",
+            "--set", "data.seq_len=128", "--set", "data.calib_windows=2", "--set", "data.eval_windows=1",
+            "--quant", "none", "--set", "threads=1"]
+    r = CliRunner().invoke(optimize, [*args, "--set", "heal.batch=2",
+                           "-o", str(tmp_path / "one")], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     script = Path(sys.executable).parent / "optimize"
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -517,7 +523,7 @@ def test_several_processes_are_refused_where_they_cannot_share_a_heal(tiny_dirs,
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert distributed.launched() == 2
     base = [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file), "-o", str(tmp_path / "pkg")]
-    for extra, message in ((["--no-heal"], "healing is off"), (["--heal-device", "cuda:1"], "names one GPU")):
+    for extra, message in ((["--no-heal"], "healing is off"), (["--set", "heal.device=cuda:1"], "names one GPU")):
         r = CliRunner().invoke(optimize, [*base, *extra])
         assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
@@ -537,7 +543,8 @@ def test_heal_time_caps_the_heal_and_the_manifest_counts_what_was_done(tiny_dirs
     """--heal-time stops a heal whose --heal-tokens would run far longer; the package is written with
     the steps done, and the manifest and report say the cap stopped it."""
     seq = HealSettings().seq_len
-    r, out = _heal_tiny_llama(tiny_dirs, text_file, tmp_path, "--heal-tokens", str(seq * 100_000), "--heal-time", "2")
+    r, out = _heal_tiny_llama(tiny_dirs, text_file, tmp_path, "--heal-tokens", str(seq * 100_000),
+                              "--set", "heal.time_s=2")
     h = json.loads((out / "manifest.json").read_text())["heal"]  # 100,000 steps: hours on the tiny model
     assert h["stopped_by_time"] and 0 < h["steps"] < 100_000 and h["tokens"] == h["steps"] * seq
     assert "stopped by the time cap" in r.output and "stopped by the time cap" in (out / "report.md").read_text()

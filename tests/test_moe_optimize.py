@@ -33,8 +33,9 @@ def moe_dirs(tmp_path_factory, tokenizer):
 
 
 def _optimize(src, out, *args):
-    return CliRunner().invoke(optimize, [str(src), "--target", "h100", "--seq-len", "64", "--calib-windows", "2",
-                                         "--eval-windows", "1", "-o", str(out), *args], catch_exceptions=False)
+    return CliRunner().invoke(optimize, [str(src), "--target", "h100", "--set", "data.seq_len=64",
+                              "--set", "data.calib_windows=2",
+                                         "--set", "data.eval_windows=1", "-o", str(out), *args], catch_exceptions=False)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -113,8 +114,8 @@ def test_ddp_expert_gates_and_healing_on_an_moe_model(moe_dirs, text_file, tmp_p
     student, experts, routers and all; the masked == pruned check holds with the scales."""
     out, other = tmp_path / "pkg", tmp_path / "eval.txt"
     other.write_text("\n".join(f"Line {i} of another text, about other things than the calibration." for i in range(300)))
-    r = _optimize(moe_dirs["qwen2_moe"], out, "--method", "ddp", "--steps", "4", "--retain", "0.5",
-                  "--calib", str(text_file), "--eval", str(other), "--heal-tokens", "4096", "--heal-chat", "0")
+    r = _optimize(moe_dirs["qwen2_moe"], out, "--method", "ddp", "--set", "ddp.steps=4", "--retain", "0.5",
+                  "--calib", str(text_file), "--eval", str(other), "--heal-tokens", "4096", "--set", "heal.chat=0")
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())
     assert m["method"]["name"] == "ddp" and m["method"]["experts"]["kept"] == 3
@@ -151,8 +152,8 @@ def test_the_experts_roofline():
 
 @pytest.mark.parametrize("args, message", [
     (["--format", "onnx"], "MoE packages are vLLM packages"),
-    (["--method", "ddp", "--layout", "per-layer"], "same number of experts in every layer"),
-    (["--refit"], "are not refit"),
+    (["--method", "ddp", "--set", "layout=per-layer"], "same number of experts in every layer"),
+    (["--set", "refit.on=true"], "are not refit"),
     (["--quant", "int8"], "MoE packages are not quantized yet"),
     (["--method", "sparsegpt"], "not written for them"),
     (["--retain", "0.01"], "leaves less than 8 of 24 channels in each of the 2 experts"),
@@ -193,7 +194,7 @@ def test_channel_importance_removes_the_channels_that_add_least():
     assert (importance.energy[:, [1, 3, 5]] == 0).all() and (importance.energy[:, [0, 2, 4]] > 0).all()
 
 
-@pytest.mark.parametrize("method", [["--method", "activation"], ["--method", "ddp", "--steps", "4"]])
+@pytest.mark.parametrize("method", [["--method", "activation"], ["--method", "ddp", "--set", "ddp.steps=4"]])
 def test_optimize_narrows_the_experts_when_retain_is_below_top_k(moe_dirs, text_file, tmp_path, method):
     out = tmp_path / "pkg"
     r = _optimize(moe_dirs["qwen3_moe"], out, "--retain", "0.3", "--calib", str(text_file), "--eval", str(text_file),

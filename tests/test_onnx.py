@@ -515,7 +515,8 @@ def test_per_layer_package_has_no_genai_config(tmp_path, tokenizer):
 def _optimize(tiny_dir, text_file, out, retain, *extra):
     from optimizer.cli import optimize
     args = [tiny_dir, "--target", "cpu", "--method", "activation", "--retain", retain, "--calib", text_file,
-            "--eval", text_file, "--seq-len", "64", "--calib-windows", "2", "--eval-windows", "1",
+            "--eval", text_file, "--set", "data.seq_len=64", "--set", "data.calib_windows=2",
+            "--set", "data.eval_windows=1",
             "--format", "onnx", "--no-heal", *(() if "--quant" in extra else ("--quant", "none")), *extra, "-o", out]
     return CliRunner().invoke(optimize, [str(a) for a in args], catch_exceptions=False)
 
@@ -549,7 +550,7 @@ def test_optimize_format_onnx_through_the_cli(cli_packages):
 
 
 def test_optimize_onnx_float16_through_the_cli(tiny_dirs, text_file, tmp_path):
-    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "fp16", 0.6, "--onnx-dtype", "float16")
+    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "fp16", 0.6, "--set", "onnx.dtype=float16")
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "fp16" / "manifest.json").read_text())
     assert m["onnx"]["dtype"] == "float16" and m["checks"]["onnx"]["greedy"]["tokens"] == 32
@@ -634,7 +635,7 @@ def test_optimize_onnx_int8_qdq_through_the_cli(tiny_dirs, text_file, tmp_path):
     import onnx
     from onnx import numpy_helper
     from optimizer.quantize import quantize_linear
-    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "qdq", 0.6, "--quant", "int8", "--onnx-int8", "qdq")
+    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "qdq", 0.6, "--quant", "int8", "--set", "onnx.int8=qdq")
     assert r.exit_code == 0, r.output
     pkg = tmp_path / "qdq"
     m = json.loads((pkg / "manifest.json").read_text())
@@ -701,7 +702,7 @@ def test_qdq_pairs_sharing_constants_are_not_fused(tiny_dirs, text_file, tmp_pat
     constants are merged back into one by onnxruntime, which then fuses only o_proj's MatMul (the
     only pair no other MatMul reads) into its integer kernel, 2 of the 12 in two blocks."""
     monkeypatch.setattr(onnx_export, "_unshare_pair_constants", lambda path: None)
-    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "shared", 0.6, "--quant", "int8", "--onnx-int8", "qdq")
+    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "shared", 0.6, "--quant", "int8", "--set", "onnx.int8=qdq")
     assert r.exit_code == 0, r.output
     assert _fused_int8_matmuls(tmp_path / "shared" / "model.onnx", tmp_path) == 2
 
@@ -720,13 +721,13 @@ def test_qdq_graph_with_other_scales_than_the_twin_is_refused(tiny_dirs, text_fi
            "onnxruntime rounded [0-9]+ of [0-9,]+ int8 activations differently from the PyTorch twin, away "
            "from any near-tie")
     with pytest.raises(RuntimeError, match="ONNX validation failed, no package written: " + why):
-        _optimize(tiny_dirs["llama"], text_file, tmp_path / "bad", 0.6, "--quant", "int8", "--onnx-int8", "qdq")
+        _optimize(tiny_dirs["llama"], text_file, tmp_path / "bad", 0.6, "--quant", "int8", "--set", "onnx.int8=qdq")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".*"))
 
 
 def test_onnx_int8_form_needs_an_int8_onnx_package(tiny_dirs, text_file, tmp_path):
-    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "x", 0.6, "--onnx-int8", "qdq", "--quant", "none")
-    assert r.exit_code != 0 and "--onnx-int8 qdq applies to ONNX packages quantized to INT8" in r.output
+    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "x", 0.6, "--set", "onnx.int8=qdq", "--quant", "none")
+    assert r.exit_code != 0 and "onnx.int8=qdq applies to ONNX packages quantized to INT8" in r.output
     assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
 
 
@@ -782,10 +783,10 @@ def test_real_model_onnx_int8_package(real_model_dir, tmp_path, form):
     """SmolLM2 at 0.7, --quant int8, either form: onnxruntime's INT8 graph answers greedily like its
     PyTorch twin, and differs from it by no more than the twin differs from itself when perturbed at
     the level of float rounding (twice that at most)."""
-    from optimizer.pipeline import DataConfig, HealSettings, OptimizeConfig, optimize
+    from optimizer.pipeline import DataConfig, HealSettings, OnnxSettings, OptimizeConfig, optimize
     out = tmp_path / "smollm2-onnx-int8"
     res = optimize(OptimizeConfig(target="cpu", method="activation", retain=0.7, out=str(out), format="onnx",
-                                  quant="int8", onnx_int8=form, threads=1, heal=HealSettings(tokens=0),
+                                  quant="int8", onnx=OnnxSettings(int8=form), threads=1, heal=HealSettings(tokens=0),
                                   data=DataConfig(calib_windows=4, eval_windows=1, seq_len=512)), log=lambda *_: None)
     m = res["manifest"]
     c = m.checks["onnx"]

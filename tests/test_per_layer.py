@@ -217,9 +217,9 @@ def _cli(args):
 
 def test_cli_per_layer_end_to_end(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "pkg"
-    r = _cli([tiny_dirs["llama"], "--target", "cpu", "--method", "ddp", "--layout", "per-layer", "--retain", "0.6",
-              "--calib", text_file, "--eval", text_file, "--seq-len", "64", "--calib-windows", "4",
-              "--eval-windows", "2", "--steps", "5", "--no-heal", "-o", out])
+    r = _cli([tiny_dirs["llama"], "--target", "cpu", "--method", "ddp", "--set", "layout=per-layer", "--retain", "0.6",
+              "--calib", text_file, "--eval", text_file, "--set", "data.seq_len=64", "--set", "data.calib_windows=4",
+              "--set", "data.eval_windows=2", "--set", "ddp.steps=5", "--no-heal", "-o", out])
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())
     meth = m["method"]
@@ -245,9 +245,10 @@ def test_cli_per_layer_int8_package_has_kernel_widths_and_reads_back_as_the_job_
     with the perplexity the job reported for the quantized model."""
     from optimizer import budget, data, evaluate, load
     out = tmp_path / "pkg"
-    r = _cli([tiny_dirs["llama"], "--target", "cpu", "--method", "ddp", "--layout", "per-layer", "--retain", "0.6",
-              "--quant", "auto", "--calib", text_file, "--eval", text_file, "--seq-len", "64", "--calib-windows", "4",
-              "--eval-windows", "1", "--steps", "5", "--no-heal", "-o", out])
+    r = _cli([tiny_dirs["llama"], "--target", "cpu", "--method", "ddp", "--set", "layout=per-layer", "--retain", "0.6",
+              "--quant", "auto", "--calib", text_file, "--eval", text_file, "--set", "data.seq_len=64",
+              "--set", "data.calib_windows=4",
+              "--set", "data.eval_windows=1", "--set", "ddp.steps=5", "--no-heal", "-o", out])
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())
     assert m["quantization"]["precision"] == "int8" and m["method"]["layout"] == "per-layer"
@@ -263,10 +264,10 @@ def test_cli_per_layer_int8_package_has_kernel_widths_and_reads_back_as_the_job_
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--layout", "per-layer"], "needs --method ddp"),
-    (["--layout", "per-layer", "--method", "activation"], "needs --method ddp"),
-    (["--layout", "per-layer", "--method", "ddp", "--format", "onnx"], "vLLM packages only"),
-    (["--layout", "diagonal", "--method", "ddp"], "unknown --layout"),
+    (["--set", "layout=per-layer"], "needs --method ddp"),
+    (["--set", "layout=per-layer", "--method", "activation"], "needs --method ddp"),
+    (["--set", "layout=per-layer", "--method", "ddp", "--format", "onnx"], "vLLM packages only"),
+    (["--set", "layout=diagonal", "--method", "ddp"], "unknown layout"),
 ])
 def test_bad_layout_is_one_line_and_writes_nothing(tiny_dirs, tmp_path, args, msg):
     out = tmp_path / "x"

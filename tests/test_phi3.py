@@ -74,8 +74,9 @@ def phi3_dir(tmp_path_factory, tokenizer):
 def test_optimize_writes_a_fused_phi3_package_that_computes_what_the_job_measured(phi3_dir, text_file, tmp_path, quant):
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(phi3_dir), "--target", "a100", "--method", "activation", "--retain", "0.6",
-                                      "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
-                                      "--calib-windows", "2", "--eval-windows", "1", "--no-heal", "--quant", quant,
+                                      "--calib", str(text_file), "--eval", str(text_file), "--set", "data.seq_len=64",
+                                      "--set", "data.calib_windows=2", "--set", "data.eval_windows=1", "--no-heal",
+                                      "--quant", quant,
                                       "-o", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())

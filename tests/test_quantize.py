@@ -19,8 +19,10 @@ from tests.conftest import tiny_model
 
 def _optimize(tiny_dirs, text_file, out, *args):
     return CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--method", "activation", "--retain", "0.6",
-                                         "--calib", str(text_file), "--eval", str(text_file), "--seq-len", "64",
-                                         "--calib-windows", "2", "--eval-windows", "1", "--no-heal", "-o", str(out),
+                                         "--calib", str(text_file), "--eval", str(text_file),
+                                         "--set", "data.seq_len=64",
+                                         "--set", "data.calib_windows=2", "--set", "data.eval_windows=1", "--no-heal",
+                                         "-o", str(out),
                                          *args], catch_exceptions=False)
 
 
@@ -220,7 +222,7 @@ def test_optimize_writes_an_fp8_package_in_fp8(tiny_dirs, text_file, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--quant", "int4"], "unknown --quant 'int4'"),
     (["--quant", "fp8", "--format", "onnx"], "quantized by onnxruntime to INT8 only"),
-    (["--quant", "int8", "--format", "onnx", "--onnx-dtype", "float16"], "quantized from the float32 graph"),
+    (["--quant", "int8", "--format", "onnx", "--set", "onnx.dtype=float16"], "quantized from the float32 graph"),
     (["--quant", "int8", "--method", "sparsegpt"], "semi-structured ones are not quantized yet"),
 ])
 def test_bad_quant_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, args, message):
@@ -251,20 +253,20 @@ def test_a_precision_without_a_kernel_says_so_in_the_plan(tiny_dirs, text_file, 
 
 def test_auto_quantizes_onnx_packages_for_the_cpu_target_only(tiny_dirs, text_file, tmp_path):
     """--quant auto for an ONNX package: INT8 on the cpu target (onnxruntime's CPU provider has the integer
-    kernels), fp32 for a GPU target and for an fp16 graph; --onnx-int8 qdq where auto keeps fp32 is refused."""
+    kernels), fp32 for a GPU target and for an fp16 graph; onnx.int8=qdq where auto keeps fp32 is refused."""
     def plan(*args):
         r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--format", "onnx", "--dry-run", *args)
         return r, next(line for line in r.output.splitlines() if line.startswith("quantization:"))
     r, line = plan("--target", "cpu")
     assert r.exit_code == 0 and line == "quantization: INT8 W8A8" and "the cpu target's INT8 kernels" in r.output
-    r, line = plan("--target", "cpu", "--onnx-int8", "qdq")
+    r, line = plan("--target", "cpu", "--set", "onnx.int8=qdq")
     assert r.exit_code == 0 and line == "quantization: INT8 W8A8" and "static INT8 in QDQ form" in r.output
-    for args in (("--target", "a100"), ("--target", "cpu", "--onnx-dtype", "float16")):
+    for args in (("--target", "a100"), ("--target", "cpu", "--set", "onnx.dtype=float16")):
         r, line = plan(*args)
         assert r.exit_code == 0 and line == "quantization: 16-bit weights", args
-    r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--format", "onnx", "--target", "a100", "--onnx-int8", "qdq",
-                  "--dry-run")
-    assert r.exit_code == 2 and "error: --onnx-int8 qdq needs INT8 weights, but ONNX packages for a GPU keep fp32" \
+    r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--format", "onnx", "--target", "a100",
+                  "--set", "onnx.int8=qdq", "--dry-run")
+    assert r.exit_code == 2 and "error: onnx.int8=qdq needs INT8 weights, but ONNX packages for a GPU keep fp32" \
         in r.output and not (tmp_path / "pkg").exists()
 
 

@@ -41,7 +41,8 @@ def test_vllm_serves_a_pruned_gemma3_270m_like_transformers(gemma_dir, tmp_path)
     from tests.test_vllm_quant import _vllm_answers_like_transformers
     pkg = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(gemma_dir), "--target", "cpu", "--method", "activation", "--retain", "0.5",
-                                      "--seq-len", "256", "--calib-windows", "2", "--eval-windows", "1",
+                                      "--set", "data.seq_len=256", "--set", "data.calib_windows=2",
+                                      "--set", "data.eval_windows=1",
                                       "--no-heal", "--quant", "none", "-o", str(pkg)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "the blocks are 37% of the bytes a dense step reads" in r.output

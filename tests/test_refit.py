@@ -114,8 +114,8 @@ def test_optimize_with_refit_writes_a_package_that_matches_its_masked_model(tiny
     common = dict(model=str(tiny_dirs["llama"]), target="a100", heal=HealSettings(tokens=0), quant="none",
                   data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=8, eval_windows=1, seq_len=128))
     quiet = dict(log=lambda *_: None)
-    plain = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "plain"), refit=None, **common),
-                     **quiet)
+    plain = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "plain"),
+                                    refit=RefitSettings(on=False), **common), **quiet)
     res = optimize(OptimizeConfig(method="activation", retain=0.6, out=str(tmp_path / "refit"), refit=RefitSettings(),
                                   **common), **quiet)
     m, r = res["manifest"], res["manifest"].method["refit"]
@@ -127,8 +127,8 @@ def test_optimize_with_refit_writes_a_package_that_matches_its_masked_model(tiny
     changed = m.perplexity["pruned"] != plain["manifest"].perplexity["pruned"]
     assert changed == r["applied"]
     assert "- refit: " in (tmp_path / "refit" / "report.md").read_text()
-    with pytest.raises(UserError, match="--refit applies to structured"):
-        optimize(OptimizeConfig(method="wanda", refit=RefitSettings(asked=True), out=str(tmp_path / "no"), **common),
+    with pytest.raises(UserError, match="refit.on=true: the refit applies to structured"):
+        optimize(OptimizeConfig(method="wanda", refit=RefitSettings(on=True), out=str(tmp_path / "no"), **common),
                  **quiet)
     with pytest.raises(UserError, match="must be > 0"):
         optimize(OptimizeConfig(method="activation", refit=RefitSettings(damp=0.0), out=str(tmp_path / "no"), **common),
@@ -149,7 +149,8 @@ def test_a_refit_that_raises_the_held_out_loss_is_not_applied(tiny_dirs, text_fi
     monkeypatch.setattr(optimizer.refit, "refit_masks", harmful)
     common = dict(model=str(tiny_dirs["llama"]), target="a100", method="activation", retain=0.6,
                   heal=HealSettings(tokens=0), quant="none", data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=2, eval_windows=1, seq_len=64))
-    plain = optimize(OptimizeConfig(out=str(tmp_path / "plain"), refit=None, **common), log=lambda *_: None)["manifest"]
+    plain = optimize(OptimizeConfig(out=str(tmp_path / "plain"), refit=RefitSettings(on=False), **common),
+                     log=lambda *_: None)["manifest"]
     tried = optimize(OptimizeConfig(out=str(tmp_path / "tried"), refit=RefitSettings(), **common),
                      log=lambda *_: None)["manifest"]
     r = tried.method["refit"]
@@ -158,21 +159,24 @@ def test_a_refit_that_raises_the_held_out_loss_is_not_applied(tiny_dirs, text_fi
     assert "tried and not applied" in (tmp_path / "tried" / "report.md").read_text()
 
 
-@pytest.mark.parametrize("args, refits", [([], True), (["--no-refit"], False)])
+@pytest.mark.parametrize("args, refits", [([], True), (["--set", "refit.on=false"], False)])
 def test_the_refit_is_on_by_default_and_off_with_no_refit(tiny_dirs, text_file, tmp_path, args, refits):
     from click.testing import CliRunner
     from optimizer.cli import optimize
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6", "--calib",
-                                      str(text_file), "--eval", str(text_file), "--seq-len", "64", "--calib-windows", "2",
-                                      "--eval-windows", "1", "--no-heal", "--quant", "none", "-o", str(out), *args])
+                                      str(text_file), "--eval", str(text_file), "--set", "data.seq_len=64",
+                                      "--set", "data.calib_windows=2",
+                                      "--set", "data.eval_windows=1", "--no-heal", "--quant", "none", "-o", str(out),
+                                      *args])
     assert r.exit_code == 0, r.output
     import json
     assert ("refit" in json.loads((out / "manifest.json").read_text())["method"]) == refits
 
 
-@pytest.mark.parametrize("args", [["--method", "wanda", "--refit"], ["--method", "sparsegpt", "--refit-damp", "0.2"],
-                                  ["--target", "h100", "--engine-version", "0.18.0", "--refit"]])
+@pytest.mark.parametrize("args", [["--method", "wanda", "--set", "refit.on=true"],
+                                  ["--method", "sparsegpt", "--set", "refit.on=true", "--set", "refit.damp=0.2"],
+                                  ["--target", "h100", "--set", "engine_version=0.18.0", "--set", "refit.on=true"]])
 def test_a_refit_asked_for_a_semi_structured_plan_is_refused(tiny_dirs, tmp_path, args):
     """The default refit is skipped quietly where it does not apply; one asked for is refused."""
     from click.testing import CliRunner
@@ -180,5 +184,5 @@ def test_a_refit_asked_for_a_semi_structured_plan_is_refused(tiny_dirs, tmp_path
     out = tmp_path / "pkg"
     base = [str(tiny_dirs["llama"]), "-o", str(out)] + ([] if "--target" in args else ["--target", "a100"])
     r = CliRunner().invoke(optimize, base + args)
-    assert r.exit_code == 2 and "--refit applies to structured methods" in r.output, r.output
+    assert r.exit_code == 2 and "refit.on=true: the refit applies to structured methods" in r.output, r.output
     assert not out.exists()

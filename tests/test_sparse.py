@@ -181,14 +181,15 @@ def test_sparse_roofline_is_one_without_a_kernel_and_faster_with_it(tiny_dirs):
 # --- the product path -------------------------------------------------------------------
 
 def _optimize(args, tmp_path):
-    r = CliRunner().invoke(optimize_cmd, [*args, "--seq-len", "64", "--calib-windows", "2", "--eval-windows", "1",
-                                          "--threads", "1", "--no-heal"])
+    r = CliRunner().invoke(optimize_cmd, [*args, "--set", "data.seq_len=64", "--set", "data.calib_windows=2",
+                           "--set", "data.eval_windows=1",
+                                          "--set", "threads=1", "--no-heal"])
     return r
 
 
 def test_package_carries_the_2_4_config_only_for_an_engine_with_the_kernel(tiny_dirs, text_file, tmp_path):
     common = [str(tiny_dirs["llama"]), "--calib", str(text_file), "--eval", str(text_file)]
-    r = _optimize([*common, "--target", "h100", "--engine-version", "0.18.0", "-o", str(tmp_path / "k")], tmp_path)
+    r = _optimize([*common, "--target", "h100", "--set", "engine_version=0.18.0", "-o", str(tmp_path / "k")], tmp_path)
     assert r.exit_code == 0, r.output
     cfg = json.loads((tmp_path / "k" / "config.json").read_text())
     sc = cfg["quantization_config"]["sparsity_config"]
@@ -204,7 +205,8 @@ def test_package_carries_the_2_4_config_only_for_an_engine_with_the_kernel(tiny_
         for lin in get_adapter(model.config).linears(block).values():
             assert parse("2:4").complies(lin.weight)
 
-    r = _optimize([*common, "--target", "a100", "--method", "wanda", "--sparsity", "4:8", "-o", str(tmp_path / "n")],
+    r = _optimize([*common, "--target", "a100", "--method", "wanda", "--set", "sparsity=4:8",
+                   "-o", str(tmp_path / "n")],
                   tmp_path)
     assert r.exit_code == 0, r.output
     assert "quantization_config" not in json.loads((tmp_path / "n" / "config.json").read_text())
@@ -219,11 +221,11 @@ def test_package_carries_the_2_4_config_only_for_an_engine_with_the_kernel(tiny_
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--method", "wanda", "--sparsity", "3:2"], "N:M pattern"),
-    (["--method", "sparsegpt", "--sparsity", "half"], "expected N:M"),
-    (["--method", "wanda", "--layout", "per-layer"], "--layout per-layer needs --method ddp"),
+    (["--method", "wanda", "--set", "sparsity=3:2"], "N:M pattern"),
+    (["--method", "sparsegpt", "--set", "sparsity=half"], "expected N:M"),
+    (["--method", "wanda", "--set", "layout=per-layer"], "layout=per-layer needs --method ddp"),
     (["--method", "magnitude", "--format", "onnx"], "no 2:4 kernel"),
-    (["--method", "sparsegpt", "--sparsity", "2:7"], "groups of 7"),
+    (["--method", "sparsegpt", "--set", "sparsity=2:7"], "groups of 7"),
 ])
 def test_bad_sparse_input_is_one_line(tiny_dirs, text_file, tmp_path, args, message):
     out = tmp_path / "never"
@@ -236,7 +238,7 @@ def test_bad_sparse_input_is_one_line(tiny_dirs, text_file, tmp_path, args, mess
 
 def test_si_package_keeps_the_pattern_and_its_biases(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "si"
-    r = _optimize([str(tiny_dirs["llama"]), "--target", "a100", "--method", "si+sparsegpt", "--si-steps", "2",
+    r = _optimize([str(tiny_dirs["llama"]), "--target", "a100", "--method", "si+sparsegpt", "--set", "si.steps=2",
                    "--calib", str(text_file), "--eval", str(text_file), "-o", str(out)], tmp_path)
     assert r.exit_code == 0, r.output
     man = json.loads((out / "manifest.json").read_text())
@@ -253,14 +255,14 @@ def test_si_package_keeps_the_pattern_and_its_biases(tiny_dirs, text_file, tmp_p
 
 def test_roi_package_trains_resumes_and_keeps_the_pattern(tiny_dirs, text_file, tmp_path, monkeypatch):
     monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
-    common = [str(tiny_dirs["llama"]), "--target", "h100", "--engine-version", "0.18.0", "--method", "roi",
+    common = [str(tiny_dirs["llama"]), "--target", "h100", "--set", "engine_version=0.18.0", "--method", "roi",
               "--calib", str(text_file), "--eval", str(text_file)]
-    r = _optimize([*common, "--roi-steps", "4", "-o", str(tmp_path / "a")], tmp_path)
+    r = _optimize([*common, "--set", "roi.steps=4", "-o", str(tmp_path / "a")], tmp_path)
     assert r.exit_code == 0, r.output
     roi = json.loads((tmp_path / "a" / "manifest.json").read_text())["method"]["roi"]
     assert roi["steps"] == 4 and roi["resumed_from_step"] == 0 and roi["state_to_model_ratio"] > 0
     # the same run again with --resume starts from the finished checkpoint and gives the same weights
-    r = _optimize([*common, "--roi-steps", "4", "--resume", "-o", str(tmp_path / "b")], tmp_path)
+    r = _optimize([*common, "--set", "roi.steps=4", "--resume", "-o", str(tmp_path / "b")], tmp_path)
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["method"]["roi"]["resumed_from_step"] == 4
     from safetensors.torch import load_file
@@ -269,7 +271,7 @@ def test_roi_package_trains_resumes_and_keeps_the_pattern(tiny_dirs, text_file, 
     for k, w in a.items():
         if k.endswith("proj.weight"):
             assert parse("2:4").complies(w), k
-    r = _optimize([*common, "--sparsity", "0.5", "-o", str(tmp_path / "c")], tmp_path)
+    r = _optimize([*common, "--set", "sparsity=0.5", "-o", str(tmp_path / "c")], tmp_path)
     assert r.exit_code == 2 and "unstructured" in r.output
 
 
@@ -277,25 +279,28 @@ def test_roi_from_the_sparsegpt_prior_starts_exactly_at_sparsegpt(tiny_dirs, tex
     monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
     common = [str(tiny_dirs["qwen3"]), "--target", "a100", "--calib", str(text_file), "--eval", str(text_file)]
     assert _optimize([*common, "--method", "sparsegpt", "-o", str(tmp_path / "s")], tmp_path).exit_code == 0
-    r = _optimize([*common, "--method", "roi", "--roi-prior", "sparsegpt", "--roi-steps", "0", "-o", str(tmp_path / "r")],
+    r = _optimize([*common, "--method", "roi", "--set", "roi.prior=sparsegpt", "--set", "roi.steps=0",
+                   "-o", str(tmp_path / "r")],
                   tmp_path)
     assert r.exit_code == 0, r.output
     from safetensors.torch import load_file
     a, b = load_file(tmp_path / "s" / "model.safetensors"), load_file(tmp_path / "r" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    r = _optimize([*common, "--method", "roi", "--roi-prior", "wanda", "--roi-steps", "2", "-o", str(tmp_path / "w")],
+    r = _optimize([*common, "--method", "roi", "--set", "roi.prior=wanda", "--set", "roi.steps=2",
+                   "-o", str(tmp_path / "w")],
                   tmp_path)
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "w" / "manifest.json").read_text())["method"]["roi"]["prior"] == "wanda"
     # tokens per step: a chunk of each window when it divides the window, else the whole window
     for roi_seq, window, used in (("32", "64", 32), ("48", "64", 64)):
-        r = _optimize([*common, "--method", "roi", "--roi-steps", "2", "--roi-seq-len", roi_seq, "--seq-len", window,
+        r = _optimize([*common, "--method", "roi", "--set", "roi.steps=2", "--set", f"roi.seq_len={roi_seq}",
+                       "--set", f"data.seq_len={window}",
                        "-o", str(tmp_path / f"q{roi_seq}")], tmp_path)
         assert r.exit_code == 0, r.output
         roi = json.loads((tmp_path / f"q{roi_seq}" / "manifest.json").read_text())["method"]["roi"]
         assert roi["seq_len"] == used and roi["tokens"] == 2 * used
-    r = _optimize([*common, "--method", "roi", "--roi-seq-len", "8", "-o", str(tmp_path / "bad")], tmp_path)
-    assert r.exit_code == 2 and "--roi-seq-len" in r.output and not (tmp_path / "bad").exists()
+    r = _optimize([*common, "--method", "roi", "--set", "roi.seq_len=8", "-o", str(tmp_path / "bad")], tmp_path)
+    assert r.exit_code == 2 and "roi.seq_len" in r.output and not (tmp_path / "bad").exists()
 
 
 def _textbook_sparsegpt(W: torch.Tensor, H: torch.Tensor, sparsity: Sparsity, damp=0.01) -> torch.Tensor:

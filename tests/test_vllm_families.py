@@ -29,7 +29,8 @@ def _package(model, tokenizer, text_file, tmp_path, *args) -> tuple:
     tokenizer.save_pretrained(src)
     pkg = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(src), "--target", "cpu", *args, "--calib", str(text_file), "--eval",
-                                      str(text_file), "--seq-len", "64", "--calib-windows", "2", "--eval-windows", "1",
+                                      str(text_file), "--set", "data.seq_len=64", "--set", "data.calib_windows=2",
+                                      "--set", "data.eval_windows=1",
                                       "--no-heal", "-o", str(pkg)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     return pkg, json.loads((pkg / "manifest.json").read_text())
@@ -127,7 +128,8 @@ def test_vllm_serves_a_pruned_phi3_package_like_transformers(tokenizer, text_fil
 
 
 @pytest.mark.parametrize("args, message", [(["--format", "onnx"], "ONNX export covers the LLaMA-shaped families"),
-                                           (["--layout", "per-layer", "--method", "ddp"], "no per-layer model class")])
+                                           (["--set", "layout=per-layer",
+                                             "--method", "ddp"], "no per-layer model class")])
 @pytest.mark.parametrize("family", ["gemma3", "gemma2"])
 def test_gemma_refuses_what_it_cannot_be_written_as_before_any_work(tokenizer, text_file, tmp_path, args, message,
                                                                     family):
