@@ -7,7 +7,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-fast
 setup: $(STAMP)
 
 # The main job on the embedded SmolLM2-135M for an A100: plan, prune, evaluate, package.
@@ -17,3 +17,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+# The signal to run before every commit (~3 minutes): no vLLM, no real model, no healing run.
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not slow and not real_model and not vllm"

@@ -144,6 +144,17 @@ def check_heal_device(h: HealSettings) -> None:
                             "use heal.device=cpu (or auto)")
 
 
+def refuse_width_settings(cfg, kind: str) -> None:
+    """refit.on=true and retain_by=latency are about the heads and channels a structured kind
+    removes; a kind that removes whole units (`kind` says which, and how) refuses them by name."""
+    if cfg.refit.on:
+        raise UserError(f"refit.on=true: the refit refits the kept columns of pruned heads and channels; {kind}, "
+                        f"so they are not refit: drop it")
+    if cfg.retain_by != "params":
+        raise UserError(f"retain_by={cfg.retain_by} applies to heads and channels; {kind}, so --retain counts "
+                        f"parameters: drop retain_by")
+
+
 def heal_seq_len(h: HealSettings, window: int) -> int:
     """Tokens a heal sequence: heal.data is cut at h.seq_len; the calibration windows (`window`
     tokens) are split into h.seq_len pieces where that divides them, else used whole."""
@@ -366,9 +377,6 @@ def validate(cfg: OptimizeConfig) -> None:
     if cfg.si.steps < 0 or cfg.roi.steps < 0:
         raise UserError("si.steps and roi.steps must be >= 0")
     if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":
-        if cfg.refit.on:
-            raise UserError("refit.on=true: the refit applies to structured methods (removed heads and channels), "
-                            "not semi-structured ones")
         if cfg.roi.prior not in ("sparsegpt", "wanda"):
             raise UserError(f"roi.prior must be 'sparsegpt' or 'wanda', got '{cfg.roi.prior}'")
         if cfg.roi.seq_len < 16:
@@ -392,8 +400,6 @@ def validate(cfg: OptimizeConfig) -> None:
                             f"not {cfg.quant}")
         if cfg.format == "onnx" and cfg.onnx.dtype != "float32":
             raise UserError("an INT8 ONNX package is quantized from the float32 graph: drop onnx.dtype=float16")
-        if planner.is_sparse(cfg.method) or cfg.method == "semi-structured":
-            raise UserError("--quant applies to structured packages; semi-structured ones are not quantized yet")
     h = cfg.heal
     if h.memory not in HEAL_MEMORY:
         raise UserError(f"unknown heal.memory '{h.memory}'; choose from: {', '.join(HEAL_MEMORY)}")

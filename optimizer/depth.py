@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from core.manifest import Manifest
 from optimizer import plan as planner
+from optimizer.config import refuse_width_settings
 from optimizer.errors import UserError
 from optimizer.job import MAX_MODEL_LEN, Decision, Job
 from optimizer.surgery import check_same_logits
@@ -36,12 +37,7 @@ def blocks_to_keep(num_layers: int, retain: float) -> int:
 
 def check(cfg, adapter, config) -> None:
     """What --method depth does not do, refused in one line before any work (`config`: the model's)."""
-    if cfg.refit.on:
-        raise UserError("refit.on=true: the refit refits the kept columns of pruned heads and channels; --method "
-                        "depth keeps every block it keeps whole: drop it")
-    if cfg.retain_by != "params":
-        raise UserError("--method depth removes whole blocks, each the same share of parameters and of time: "
-                        "drop retain_by")
+    refuse_width_settings(cfg, "--method depth removes whole blocks and keeps the others whole")
     retain = cfg.retain
     if config.num_hidden_layers < 3:
         raise UserError(f"--method depth removes whole blocks between the first and the last; this model has "
@@ -132,6 +128,30 @@ def remove_blocks(model, adapter, keep: list[int]):
 
 class Depth:
     edits_in_place = False  # surgery builds a new model; job.model stays the dense teacher
+
+    # --- planning (plan.resolve): what this kind refuses, and its prediction ----------------------
+    @staticmethod
+    def refuse(cfg, plan, adapter, hf_config) -> None:
+        check(cfg, adapter, hf_config)
+
+    @staticmethod
+    def accepts(cfg, adapter, hf_config) -> bool:
+        """Whether --method depth would run on this model with these settings (`check` passes)."""
+        try:
+            check(cfg, adapter, hf_config)
+        except UserError:
+            return False
+        return True
+
+    @staticmethod
+    def blocks_kept(cfg, hf_config) -> int:
+        return blocks_to_keep(hf_config.num_hidden_layers, cfg.retain)
+
+    @staticmethod
+    def predict(cfg, plan, adapter, hf_config) -> dict:
+        """The roofline of --retain's share of the blocks, each at full width."""
+        return planner.roofline(plan.target, adapter, hf_config, adapter.dense_shape(hf_config),
+                                layers=Depth.blocks_kept(cfg, hf_config), **planner.quant_prediction(plan))
 
     def method(self, job: Job) -> Decision:
         model, adapter, config = job.model, job.adapter, job.model.config

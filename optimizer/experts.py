@@ -23,12 +23,15 @@ rows, unless the experts are narrowed) and the roofline's account of what the re
 
 from __future__ import annotations
 
+import torch
 from tqdm import tqdm
 
 from core.manifest import Manifest
 from exporters import vllm as vllm_export
 from optimizer import plan as planner
 from optimizer import report
+from optimizer.config import refuse_width_settings
+from optimizer.errors import UserError
 from optimizer.job import MAX_MODEL_LEN, Decision, Job
 from optimizer.methods.ddp import DDPConfig
 from optimizer.resources import peak_rss_gib
@@ -42,6 +45,26 @@ from optimizer.surgery import check_same_logits
 
 class Experts:
     edits_in_place = False  # surgery builds a new model; job.model stays the dense teacher
+
+    # --- planning (plan.resolve): what this kind refuses, and its prediction ----------------------
+    @staticmethod
+    def refuse(cfg, plan, adapter, hf_config) -> None:
+        if cfg.format != "vllm":
+            raise UserError(f"{adapter.family}: MoE packages are vLLM packages (the ONNX decoder has no MoE block); "
+                            f"drop --format {cfg.format}")
+        if cfg.layout != "uniform":
+            raise UserError(f"{adapter.family}: MoE models keep the same number of experts in every layer "
+                            f"(a stock config); use layout=uniform")
+        refuse_width_settings(cfg, "MoE models lose whole routed experts (--retain: the share of their "
+                                   "parameters kept)")
+        if cfg.quant not in ("none", "auto"):
+            raise UserError(f"{adapter.family}: MoE packages are not quantized yet (the fused 3-D expert tensors "
+                            f"need their own scheme): use --quant none or auto")
+
+    @staticmethod
+    def predict(cfg, plan, adapter, hf_config) -> dict:
+        n_keep, width = experts_to_keep(adapter, hf_config, cfg.retain), expert_width_to_keep(adapter, hf_config, cfg.retain)
+        return planner.roofline_experts(plan.target, adapter, hf_config, n_keep, meta_params(hf_config), width=width)
 
     # --- method: observe → decide ----------------------------------------------------------------
     def method(self, job: Job) -> Decision:
@@ -149,3 +172,10 @@ def train_expert_gates(job: Job):
                       "peak_rss_gib": round(peak_rss_gib(), 2), "checkpoint": run["checkpoint"],
                       "positive_gates": int((gates.values() > 0).sum())}}
     return gates, detail
+
+
+def meta_params(hf_config) -> int:
+    """The model's parameter count from its config alone (built on the meta device: no memory)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())

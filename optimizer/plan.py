@@ -39,6 +39,7 @@ is_sparse = registry.is_sparse
 
 @dataclass
 class Plan:
+    """What `resolve` decided, once: nothing after it changes a plan (`freeze`)."""
     target: Profile
     engine: str
     engine_version: str
@@ -49,6 +50,18 @@ class Plan:
     sparse_kernel: bool = False      # the engine will run this sparsity with a sparse kernel
     quant: str = "none"              # the weights' precision: none | int8 | fp8 | w4a16 (optimizer/quantize.py)
     quant_reason: str = ""
+    kind: str = ""                   # the kind of job that runs it (optimizer/registry.py KINDS)
+
+    def freeze(self) -> "Plan":
+        """The plan as resolved: its fields can no longer be set, its reasons no longer appended to."""
+        self.reasons = tuple(self.reasons)
+        object.__setattr__(self, "_frozen", True)
+        return self
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"the plan is resolved once (plan.resolve); '{name}' cannot change after it")
+        object.__setattr__(self, name, value)
 
     def text(self, prediction: dict | None = None) -> str:
         """The plan in words; `prediction`: another roofline than the plan's (the achieved shape's)."""
@@ -174,6 +187,82 @@ def choose(target: Profile, method: str, engine: str = "vllm", engine_version: s
         plan.reasons.append("no 2:4 kernel → structured: removing heads and channels makes the "
                             "model smaller, which is faster on any GPU and engine")
     return plan
+
+
+def resolve(cfg, target: Profile, adapter, hf_config) -> Plan:
+    """The plan, resolved once from the config, the target's profile and the model's config: the
+    method and the kind of job that runs it, the precision, the reasons and the roofline prediction.
+    Every refusal is made here, before any compute: the kind's own (`refuse` of its class in
+    optimizer/registry.py) and the package format's. Returns it frozen."""
+    from optimizer.adapters import MoEAdapter, onnx_families
+    plan = choose(target, cfg.method, engine_version=cfg.engine_version, sparsity=cfg.sparsity)
+    moe = isinstance(adapter, MoEAdapter)
+    if moe:
+        for_experts(plan, cfg.method, adapter.family)
+    plan.kind = registry.EXPERTS if moe else registry.spec(plan.method).kind
+    kind = registry.kind_class(plan.kind)
+    kind.refuse(cfg, plan, adapter, hf_config)
+    choose_quant(plan, cfg.quant, not_quantized=_not_quantized(cfg, plan, moe))
+    if plan.quant == "w4a16" and target.kind != "cpu":  # the cpu target refuses shapes its kernel cannot take
+        plan.quant_reason += _marlin_note(hf_config.hidden_size)
+    if cfg.format == "onnx" and plan.quant == "int8":  # not vLLM's kernel table: onnxruntime's own INT8
+        form = ("dynamic INT8 (MatMulInteger" if cfg.onnx.int8 == "dynamic" else
+                "static INT8 in QDQ form (QuantizeLinear / DequantizeLinear pairs")
+        plan.quant_reason = (f"--quant int8 requested: onnxruntime's {form}, run by onnxruntime on the CPU), "
+                             f"whatever kernels the target's GPU has" if cfg.quant == "int8" else
+                             f"the cpu target's INT8 kernels (VNNI / AMX) through onnxruntime's {form}, its CPU "
+                             f"provider's integer kernels)")
+    if cfg.onnx.int8 != "dynamic" and plan.quant != "int8":
+        raise UserError(f"onnx.int8={cfg.onnx.int8} needs INT8 weights, but "
+                        f"{plan.quant_reason.removesuffix(' (--quant auto)')}")
+    if cfg.format == "onnx" and not adapter.onnx_export:
+        raise UserError(f"{adapter.family}: ONNX export covers the LLaMA-shaped families "
+                        f"({', '.join(onnx_families())}); use --format vllm")
+    plan.prediction = kind.predict(cfg, plan, adapter, hf_config)
+    if plan.kind == registry.STRUCTURED:
+        _fewer_blocks_instead(cfg, plan, adapter, hf_config)
+    return plan.freeze()
+
+
+def _fewer_blocks_instead(cfg, plan: Plan, adapter, hf_config) -> None:
+    """A target where every kept block costs time beyond its matmuls (measured under vLLM): the
+    same parameters in fewer, whole blocks, where `auto` finds that faster (prefers_fewer_blocks).
+    Not for onnxruntime, nor where --method depth would be refused (which includes a --retain
+    keeping every block)."""
+    depth = registry.kind_class(registry.DEPTH)
+    if not (plan.target.block_overhead_ms and cfg.format == "vllm" and depth.accepts(cfg, adapter, hf_config)):
+        return
+    whole = depth.predict(cfg, plan, adapter, hf_config)
+    chosen = cfg.method == "auto" and prefers_fewer_blocks(plan.prediction, whole, cfg.retain)
+    plan.reasons.append(fewer_blocks_reason(plan.target, plan.prediction, whole, depth.blocks_kept(cfg, hf_config),
+                                            hf_config.num_hidden_layers, chosen=chosen))
+    if chosen:
+        plan.method, plan.kind, plan.prediction = DEPTH, registry.DEPTH, whole
+
+
+def _marlin_note(hidden: int) -> str:
+    """W4A16 on a GPU: vLLM's Marlin kernel wants every input width a multiple of 128, which the
+    hidden size (the input of q/k/v and gate/up) decides before any pruning."""
+    if hidden % 128 == 0:
+        return (" (groups of the largest of 128 / 64 / 32 every pruned input width takes; vLLM's Marlin kernel "
+                "wants each a multiple of 128: the quantize stage names those that are not)")
+    return (f" (the hidden size {hidden} is not a multiple of 128, which vLLM's Marlin kernel wants of every input "
+            f"width: q/k/v and gate/up need another of its 4-bit kernels, or vLLM refuses to load them; not run on "
+            f"a GPU here)")
+
+
+def _not_quantized(cfg, plan: Plan, moe: bool = False) -> str | None:
+    """Why this kind of package keeps 16-bit weights whatever the target accelerates, or None."""
+    if moe:
+        return "MoE packages are not quantized yet"
+    if cfg.format != "vllm" and plan.target.kind != "cpu":
+        return ("ONNX packages for a GPU keep fp32 weights (onnxruntime's INT8 kernels are its CPU provider's; "
+                "--quant int8 to ask)")
+    if cfg.format != "vllm" and cfg.onnx.dtype != "float32":
+        return "a float16 ONNX package is not quantized (INT8 is quantized from the float32 graph)"
+    if plan.sparsity:
+        return "2:4 packages keep 16-bit weights (vLLM's 2:4 kernels are unquantized)"
+    return None
 
 
 def for_experts(plan: Plan, method: str, family: str) -> None:

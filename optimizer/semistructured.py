@@ -18,6 +18,7 @@ from core.manifest import Manifest
 from exporters import vllm as vllm_export
 from optimizer import plan as planner
 from optimizer import registry, report
+from optimizer.errors import UserError
 from optimizer.job import MAX_MODEL_LEN, Decision, Job
 from optimizer.methods.magnitude import Magnitude
 from optimizer.methods.roi import RoI, RoIConfig, wanda_prior
@@ -32,6 +33,25 @@ PRUNERS = {"magnitude": Magnitude, "wanda": Wanda, "sparsegpt": SparseGPT}
 
 class SemiStructured:
     edits_in_place = True  # the zeros are written into job.model
+
+    # --- planning (plan.resolve): what this kind refuses, and its prediction ----------------------
+    @staticmethod
+    def refuse(cfg, plan, adapter, hf_config) -> None:
+        if cfg.format != "vllm":
+            raise UserError(f"semi-structured packages are vLLM packages (onnxruntime has no 2:4 kernel); "
+                            f"drop --format {cfg.format} or use --method structured")
+        if cfg.refit.on:
+            raise UserError(f"refit.on=true: the refit applies to structured methods (removed heads and channels), "
+                            f"not semi-structured ones (the plan: {plan.method}): drop it or use --method structured")
+        if cfg.quant not in ("none", "auto"):
+            raise UserError(f"--quant applies to structured packages; semi-structured ones are not quantized yet "
+                            f"(the plan: {plan.method}): use --method structured or --quant none")
+        for name, width in adapter.input_widths(hf_config).items():
+            parse(plan.sparsity).check_shape(width, name)
+
+    @staticmethod
+    def predict(cfg, plan, adapter, hf_config) -> dict:
+        return planner.roofline_sparse(plan.target, adapter, hf_config, plan.sparse_kernel)
 
     # --- method: observe → decide, the zeros applied in place --------------------------------------
     def method(self, job: Job) -> Decision:

@@ -44,6 +44,20 @@ def exporter(fmt: str):
 class Structured:
     edits_in_place = False  # surgery builds a new model; job.model stays the dense teacher
 
+    # --- planning (plan.resolve): what this kind refuses, and its prediction ----------------------
+    @staticmethod
+    def refuse(cfg, plan, adapter, hf_config) -> None:
+        if cfg.layout == "per-layer" and not adapter.per_layer:
+            raise UserError(f"{adapter.family}: no per-layer model class for this family; use layout=uniform")
+
+    @staticmethod
+    def predict(cfg, plan, adapter, hf_config) -> dict:
+        """The roofline of the uniform shape nearest --retain (surgery's may differ a little)."""
+        nominal = budget.uniform_candidates(adapter, hf_config, cfg.retain)
+        if not nominal:
+            raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
+        return planner.roofline(plan.target, adapter, hf_config, nominal[0], **planner.quant_prediction(plan))
+
     # --- method: observe → decide ----------------------------------------------------------------
     def method(self, job: Job) -> Decision:
         cfg, model, adapter, calib = job.cfg, job.model, job.adapter, job.calib

@@ -19,6 +19,7 @@ def _leftovers(parent):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_optimize_writes_a_complete_package(tiny_dirs, text_file, tmp_path, family):
     """The default path: the planner's method (one-shot and its refit, then heal, then the target's
     precision: FP8 W8A8 on an L4) on a small heal budget."""
@@ -306,6 +307,7 @@ def test_failure_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file
     assert list(tmp_path.iterdir()) == []  # nor the directories -o asked for above the package
 
 
+@pytest.mark.slow
 def test_sigterm_mid_run_leaves_no_partial_output(tiny_dirs, tmp_path, text_file):
     """`kill` (what docker stop, Kubernetes and batch schedulers send) cleans up like Ctrl-C."""
     import os
@@ -548,6 +550,7 @@ def test_a_gguf_head_that_is_the_embedding_quantised_again_is_tied_back():
     assert not retie_duplicated_head(distinct) and distinct.lm_head.weight is not distinct.get_input_embeddings().weight
 
 
+@pytest.mark.slow
 def test_the_ideal_ratio_leaves_out_an_untied_input_embedding(tmp_path, tokenizer, text_file):
     """A decode step streams the blocks and the LM head; an untied input embedding is looked up a row
     a token, so it counts in the parameters but not in the ideal byte ratio."""

@@ -297,6 +297,7 @@ def test_bad_ddp_settings_are_one_line_errors(field, value):
         validate(OptimizeConfig(target="a100", ddp=DDPSettings(**{field: value})))
 
 
+@pytest.mark.slow
 def test_a_run_at_another_training_length_gets_its_own_checkpoint(tiny_dirs, text_file, tmp_path, monkeypatch):
     """The checkpoint key covers everything that changes what the gates learn. Without the
     training sequence length, runs at two lengths once wrote (and resumed) one file."""

@@ -83,6 +83,7 @@ def _deep_dir(tmp_path, tokenizer, family="llama"):
     return src
 
 
+@pytest.mark.slow
 def test_optimize_depth_writes_a_healed_int8_package_with_fewer_blocks(tmp_path, tokenizer, text_file):
     from optimizer import load
     src = _deep_dir(tmp_path, tokenizer, "gemma3")
@@ -163,6 +164,7 @@ def test_a_fixed_cost_per_block_makes_fewer_whole_blocks_faster_than_narrower_on
 
 
 @pytest.mark.parametrize("family, fmt", [("phi3", "vllm"), ("llama", "onnx")])
+@pytest.mark.slow
 def test_a_depth_package_of_phi3_and_an_onnx_one_load_back_with_fewer_blocks(tmp_path, tokenizer, text_file,
                                                                              family, fmt):
     """Phi-3's checkpoint is rewritten fused from the working model (its config carries the layer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,6 +214,7 @@ def _heal_tiny_llama(tiny_dirs, text_file, tmp_path, *heal_args):
     return r, out
 
 
+@pytest.mark.slow
 def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
     r, out = _heal_tiny_llama(tiny_dirs, text_file, tmp_path, "--heal-tokens", "2048")
     m = json.loads((out / "manifest.json").read_text())
@@ -227,6 +229,7 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
     assert "AdamW at 0.0003" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_heal_that_makes_the_held_out_kl_worse_is_not_shipped(tiny_dirs, text_file, tmp_path):
     """A learning rate far too high wrecks the student: the package keeps the unhealed weights and says so."""
     r, out = _heal_tiny_llama(tiny_dirs, text_file, tmp_path, "--heal-tokens", "1024", "--set", "heal.lr=1.0")
@@ -239,6 +242,7 @@ def test_a_heal_that_makes_the_held_out_kl_worse_is_not_shipped(tiny_dirs, text_
     assert "keeps the unhealed weights" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_default_heal_that_makes_the_held_out_kl_worse_is_retried_at_a_lower_learning_rate(tiny_dirs, text_file,
                                                                                               tmp_path, monkeypatch):
     """Without --heal-lr, a wrecking peak (here 1.0) is undone and the heal runs again at
@@ -257,31 +261,35 @@ def test_a_default_heal_that_makes_the_held_out_kl_worse_is_retried_at_a_lower_l
     assert "retried at lr 1e-04" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_heal_checkpoint_resumes_only_the_same_heal_text(tiny_dirs, text_file, tmp_path):
     """The checkpoint is keyed by the heal text's content, not its name: the teacher's sampled chat
     answers can differ between thread counts, and a resume must not continue training on other data."""
     from optimizer.cli import optimize
     heal_file = tmp_path / "heal.txt"
 
-    def run(text: str, name: str) -> dict:
+    def run(text: str, name: str, keep: bool = True) -> dict:
         heal_file.write_text(text)
         r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.6",
                                           "--calib", str(text_file), "--eval", str(text_file), "--set",
                                           f"heal.data={heal_file}", "--heal-tokens", "1024", "--set", "heal.chat=0",
                                           "--set", "data.seq_len=128",
                                           "--set", "data.calib_windows=2", "--set", "data.eval_windows=1",
-                                          "--quant", "none",
+                                          "--quant", "none", "--set", f"keep_checkpoints={keep}",
                                           "--resume", "-o", str(tmp_path / name)], catch_exceptions=False)
         assert r.exit_code == 0, r.output
         return json.loads((tmp_path / name / "manifest.json").read_text())["heal"]
 
     first = run(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)), "a")
-    again = run(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)), "b")
-    other = run(" ".join(f"other{i % 89} words, another text {i}." for i in range(3000)), "c")
+    again = run(" ".join(f"word{i % 97} and more text number {i}." for i in range(3000)), "b", keep=False)
+    other = run(" ".join(f"other{i % 89} words, another text {i}." for i in range(3000)), "c", keep=False)
     assert first["resumed_from_step"] == 0 and again["resumed_from_step"] == again["steps"]
     assert other["resumed_from_step"] == 0 and other["checkpoint"] != first["checkpoint"]
+    # without keep_checkpoints a finished run leaves no checkpoint behind: nothing is left to resume
+    assert not Path(first["checkpoint"]).exists() and not Path(other["checkpoint"]).exists()
 
 
+@pytest.mark.slow
 def test_optimize_heals_with_lean_memory(tiny_dirs, text_file, tmp_path):
     from optimizer.cli import optimize
     other = tmp_path / "heal.txt"
@@ -302,6 +310,7 @@ def test_optimize_heals_with_lean_memory(tiny_dirs, text_file, tmp_path):
     assert "Adafactor at 0.01, activations recomputed per block" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_optimize_scores_zero_shot_dense_before_and_after_healing(tiny_dirs, text_file, tmp_path):
     from optimizer.cli import optimize
     other = tmp_path / "eval.txt"
@@ -337,6 +346,7 @@ def test_the_default_heal_budget_and_chat_answers(tokenizer):
     assert chat_answers(HealSettings(chat=0), chat) == 0 and chat_answers(HealSettings(chat=5), plain) == 5
 
 
+@pytest.mark.slow
 def test_the_default_heal_text_adds_the_built_in_samples_to_the_built_in_corpus_only(tokenizer):
     """Without --heal-data: the built-in calibration half and the first 90% of exllamav2's other samples
     (their last 10% is what bench/heal_select.py scores heal settings on); a user's --calib alone."""
@@ -468,6 +478,7 @@ def _heal_three_steps(rank: int, world: int, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_heal_as_one(tmp_path):
     """Data parallel through torch.distributed: each rank takes half the batch, gradients summed."""
     import torch.multiprocessing as mp
@@ -479,6 +490,7 @@ def test_two_gloo_processes_heal_as_one(tmp_path):
         torch.testing.assert_close(two["params"][n], p, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_optimize_under_torchrun_heals_on_two_processes_and_writes_one_package(tiny_dirs, text_file, tmp_path):
     """`torchrun --nproc-per-node 2 optimize ...` (gloo on CPU): both ranks prune and heal, rank 0 writes the
     package alone, and its weights are those of one process healing the same batch of 2 sequences a step."""
@@ -539,6 +551,7 @@ def test_the_teachers_chat_answers_are_rendered_turns_of_built_in_instructions(t
     assert teacher_chat(teacher, tokenizer, 3, seed=0, max_new_tokens=4, batch=2) == text  # seeded
 
 
+@pytest.mark.slow
 def test_heal_time_caps_the_heal_and_the_manifest_counts_what_was_done(tiny_dirs, text_file, tmp_path):
     """--heal-time stops a heal whose --heal-tokens would run far longer; the package is written with
     the steps done, and the manifest and report say the cap stopped it."""

@@ -363,6 +363,7 @@ def test_summarize_ratios():
     assert no_ideal["ratios"]["pruned"]["1"]["fraction_of_ideal"] is None
 
 
+@pytest.mark.slow
 def test_markdown_plot_and_write_report(tmp_path):
     from serve.report import markdown_table, plot, summarize, write_report
 
@@ -397,6 +398,7 @@ def test_ideal_ratio_against_another_package_is_the_quotient_of_both_ideals():
     assert ideal_ratio(pkg, Manifest(size={"ideal_ratio": 1.32})) == pytest.approx(1.33 / 1.32)
 
 
+@pytest.mark.slow
 def test_the_plans_prediction_stands_beside_the_measured_decode_speedup(tmp_path):
     """Against its dense source model, bench sets the plan's roofline decode speedup at batch 1 and
     16 beside the measured one (the TPOT p50 ratio); against anything else it has none to set."""

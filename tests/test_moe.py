@@ -246,6 +246,7 @@ def _trained_gates(family="qwen2_moe", retain=0.5, steps=30, seed=0):
     return model, adapter, gates, log, data
 
 
+@pytest.mark.slow
 def test_expert_gates_train_toward_the_budget():
     model, adapter, gates, log, _ = _trained_gates(retain=0.5, steps=30)
     before = dict(tiny_moe("qwen2_moe").named_parameters())

@@ -81,6 +81,7 @@ def test_reap_removes_the_experts_that_contribute_least():
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.slow
 def test_optimize_writes_an_moe_package_with_fewer_experts(moe_dirs, text_file, tmp_path, family):
     out = tmp_path / "pkg"
     r = _optimize(moe_dirs[family], out, "--retain", "0.7", "--calib", str(text_file), "--eval", str(text_file),
@@ -109,6 +110,7 @@ def test_optimize_writes_an_moe_package_with_fewer_experts(moe_dirs, text_file, 
     assert sum(x.numel() for x in pruned.parameters()) == m["size"]["params_pruned"]
 
 
+@pytest.mark.slow
 def test_ddp_expert_gates_and_healing_on_an_moe_model(moe_dirs, text_file, tmp_path):
     """DDP's expert gates (scales folded into the kept experts), then healing trains the MoE
     student, experts, routers and all; the masked == pruned check holds with the scales."""
@@ -153,7 +155,7 @@ def test_the_experts_roofline():
 @pytest.mark.parametrize("args, message", [
     (["--format", "onnx"], "MoE packages are vLLM packages"),
     (["--method", "ddp", "--set", "layout=per-layer"], "same number of experts in every layer"),
-    (["--set", "refit.on=true"], "are not refit"),
+    (["--set", "refit.on=true"], "they are not refit"),
     (["--quant", "int8"], "MoE packages are not quantized yet"),
     (["--method", "sparsegpt"], "not written for them"),
     (["--retain", "0.01"], "leaves less than 8 of 24 channels in each of the 2 experts"),
@@ -195,6 +197,7 @@ def test_channel_importance_removes_the_channels_that_add_least():
 
 
 @pytest.mark.parametrize("method", [["--method", "activation"], ["--method", "ddp", "--set", "ddp.steps=4"]])
+@pytest.mark.slow
 def test_optimize_narrows_the_experts_when_retain_is_below_top_k(moe_dirs, text_file, tmp_path, method):
     out = tmp_path / "pkg"
     r = _optimize(moe_dirs["qwen3_moe"], out, "--retain", "0.3", "--calib", str(text_file), "--eval", str(text_file),

@@ -150,6 +150,7 @@ def test_unsupported_rope_is_refused(tmp_path):
 
 @pytest.mark.parametrize("family", ONNX_FAMILIES)
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.slow
 def test_export_validates(family, dtype, tmp_path):
     model = lively(family)
     info = onnx_export.export_decoder(model, tmp_path / "model.onnx", dtype=dtype)
@@ -178,6 +179,7 @@ def test_qwen2_saved_as_llama_with_attention_bias(tmp_path):
     assert validate(model, tmp_path / "model.onnx")["greedy"]["matched"] == 32
 
 
+@pytest.mark.slow
 def test_fp16_halves_the_file(tmp_path):
     model = lively("llama")
     a = onnx_export.export_decoder(model, tmp_path / "a.onnx", dtype="float32")
@@ -187,6 +189,7 @@ def test_fp16_halves_the_file(tmp_path):
 
 @pytest.mark.parametrize("layout", [[(4, 2, 40), (8, 2, 96)], [(2, 1, 40), (8, 2, 96)]])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.slow
 def test_per_layer_shapes_export(family, layout, tmp_path):
     model = per_layer_model(family, layout)
     _assert_decoder_matches(model)
@@ -228,6 +231,7 @@ def _package(tmp_path: Path, model, tokenizer, name="pkg", **kw) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_package_with_external_data_and_fp16(tmp_path, tokenizer):
     out = _package(tmp_path, lively("llama", vocab_size=len(tokenizer)), tokenizer, dtype="float16",
                    external_data=True)
@@ -275,6 +279,7 @@ def _greedy_steps_edited(monkeypatch, edit):
     monkeypatch.setattr(OrtDecoder, "greedy", greedy)
 
 
+@pytest.mark.slow
 def test_greedy_steps_are_held_to_the_tolerance(tmp_path, monkeypatch):
     from exporters import onnx_check
     model = lively("llama")
@@ -326,6 +331,7 @@ def test_validation_catches_wrong_names(tmp_path):
         validate(model, tmp_path / "model.onnx")
 
 
+@pytest.mark.slow
 def test_a_failed_validation_writes_no_package(tmp_path, tokenizer, monkeypatch):
     real_export = onnx_export.export_decoder
 
@@ -367,6 +373,7 @@ def _collect(req: Request) -> tuple[list[int], str]:
             return tokens, value
 
 
+@pytest.mark.slow
 def test_engine_batches_requests_like_single_runs(lively_package):
     pkg, model = lively_package
     dec = OrtDecoder(pkg / "model.onnx", threads=1)
@@ -498,6 +505,7 @@ def test_genai_runs_the_package(lively_package):
     assert got == want[:len(got)] and len(got) >= 6  # genai stops at EOS; the rest must agree
 
 
+@pytest.mark.slow
 def test_per_layer_package_has_no_genai_config(tmp_path, tokenizer):
     out = _package(tmp_path, per_layer_model("llama", [(4, 2, 40), (8, 2, 96)], vocab_size=len(tokenizer)),
                    tokenizer)
@@ -549,6 +557,7 @@ def test_optimize_format_onnx_through_the_cli(cli_packages):
     assert r.exit_code == 2 and "vLLM tensor parallelism" in r.output
 
 
+@pytest.mark.slow
 def test_optimize_onnx_float16_through_the_cli(tiny_dirs, text_file, tmp_path):
     r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "fp16", 0.6, "--set", "onnx.dtype=float16")
     assert r.exit_code == 0, r.output
@@ -572,6 +581,7 @@ def test_bench_needs_an_onnx_baseline(cli_packages, tiny_dirs):
     assert r.exit_code == 2 and "ONNX baseline" in r.output
 
 
+@pytest.mark.slow
 def test_bench_onnx_package_against_onnx_baseline(cli_packages, tmp_path):
     from serve.cli import bench
     pkg, dense = cli_packages
@@ -590,6 +600,7 @@ def test_bench_onnx_package_against_onnx_baseline(cli_packages, tmp_path):
 # the real model
 
 
+@pytest.mark.slow
 def test_optimize_onnx_int8_through_the_cli(tiny_dirs, text_file, tmp_path):
     """--format onnx --quant int8: the fp32 graph validated against the model with float activations,
     onnxruntime's INT8 graph (MatMulInteger) against the same model fake-quantized in PyTorch."""
@@ -626,6 +637,7 @@ def test_optimize_onnx_int8_through_the_cli(tiny_dirs, text_file, tmp_path):
         m["onnx"]["int8_weight_max"]
 
 
+@pytest.mark.slow
 def test_optimize_onnx_int8_qdq_through_the_cli(tiny_dirs, text_file, tmp_path):
     """--onnx-int8 qdq: a QuantizeLinear / DequantizeLinear pair with a static scale (q, k and v's equal:
     they read one tensor) and zero point 0 in front of every INT8 MatMul, int8 weights behind a
@@ -697,6 +709,7 @@ def _fused_int8_matmuls(graph_path: Path, tmp_path: Path) -> int:
     return [n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node].count("MatMulIntegerToFloat")
 
 
+@pytest.mark.slow
 def test_qdq_pairs_sharing_constants_are_not_fused(tiny_dirs, text_file, tmp_path, monkeypatch):
     """Why each pair gets its own scale and zero point: q, k and v's dedicated pairs with shared
     constants are merged back into one by onnxruntime, which then fuses only o_proj's MatMul (the
@@ -708,6 +721,7 @@ def test_qdq_pairs_sharing_constants_are_not_fused(tiny_dirs, text_file, tmp_pat
 
 
 @pytest.mark.parametrize("read_back", [True, False])
+@pytest.mark.slow
 def test_qdq_graph_with_other_scales_than_the_twin_is_refused(tiny_dirs, text_file, tmp_path, monkeypatch, read_back):
     """A QDQ graph whose activation scales are 1% off the twin's fails validation and leaves no package:
     at the scales' read-back, and without it at the exact check, where onnxruntime rounds values the

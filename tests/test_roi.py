@@ -65,6 +65,7 @@ def test_hard_forward_mask_complies(n, m):
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
+@pytest.mark.slow
 def test_the_compiled_mask_kernel_matches_the_eager_relaxation(n, m):
     """The fused path the real model trains with (weights ≥ COMPILE_MIN_NUMEL): same W ⊙ mask in
     the forward, same gradient on φ."""
@@ -104,6 +105,7 @@ def test_zero_steps_reproduce_the_prior(n, m):
             assert torch.equal(got[name], sp.mask(s)), name
 
 
+@pytest.mark.slow
 def test_steps_reduce_kd_loss_and_apply_complies():
     # Random tokens on a random model: there is nothing to generalise, so the KD loss of the
     # deterministic mask is measured on the calibration batches it trained on.

@@ -187,6 +187,7 @@ def _optimize(args, tmp_path):
     return r
 
 
+@pytest.mark.slow
 def test_package_carries_the_2_4_config_only_for_an_engine_with_the_kernel(tiny_dirs, text_file, tmp_path):
     common = [str(tiny_dirs["llama"]), "--calib", str(text_file), "--eval", str(text_file)]
     r = _optimize([*common, "--target", "h100", "--set", "engine_version=0.18.0", "-o", str(tmp_path / "k")], tmp_path)
@@ -236,6 +237,7 @@ def test_bad_sparse_input_is_one_line(tiny_dirs, text_file, tmp_path, args, mess
     assert not out.exists() and not list(tmp_path.glob(".never*"))
 
 
+@pytest.mark.slow
 def test_si_package_keeps_the_pattern_and_its_biases(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "si"
     r = _optimize([str(tiny_dirs["llama"]), "--target", "a100", "--method", "si+sparsegpt", "--set", "si.steps=2",
@@ -253,6 +255,7 @@ def test_si_package_keeps_the_pattern_and_its_biases(tiny_dirs, text_file, tmp_p
             assert parse("2:4").complies(lin.weight)
 
 
+@pytest.mark.slow
 def test_roi_package_trains_resumes_and_keeps_the_pattern(tiny_dirs, text_file, tmp_path, monkeypatch):
     monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
     common = [str(tiny_dirs["llama"]), "--target", "h100", "--set", "engine_version=0.18.0", "--method", "roi",
@@ -275,6 +278,7 @@ def test_roi_package_trains_resumes_and_keeps_the_pattern(tiny_dirs, text_file, 
     assert r.exit_code == 2 and "unstructured" in r.output
 
 
+@pytest.mark.slow
 def test_roi_from_the_sparsegpt_prior_starts_exactly_at_sparsegpt(tiny_dirs, text_file, tmp_path, monkeypatch):
     monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
     common = [str(tiny_dirs["qwen3"]), "--target", "a100", "--calib", str(text_file), "--eval", str(text_file)]

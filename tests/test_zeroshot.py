@@ -85,6 +85,7 @@ def _reference_loglikelihood(model, ctx, cont, limit):
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_batched_scoring_matches_one_by_one(tasks, tokenizer, monkeypatch):
     model = tiny_model("llama", vocab_size=len(tokenizer))
     docs = tasks["hellaswag"].docs[:3] + tasks["boolq"].docs[:2] + tasks["winogrande"].docs[:2]
@@ -148,6 +149,7 @@ def test_cli_unknown_task_is_one_line(tiny_dirs):
     assert r.exit_code == 2 and r.output.startswith("error: --limit")
 
 
+@pytest.mark.slow
 def test_cli_evaluate_end_to_end(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "zs.json"
     r = CliRunner().invoke(evaluate, [str(tiny_dirs["llama"]), "--limit", "3", "--json", str(out),
