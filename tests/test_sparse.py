@@ -260,7 +260,7 @@ def test_roi_package_trains_resumes_and_keeps_the_pattern(tiny_dirs, text_file, 
     monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
     common = [str(tiny_dirs["llama"]), "--target", "h100", "--set", "engine_version=0.18.0", "--method", "roi",
               "--calib", str(text_file), "--eval", str(text_file)]
-    r = _optimize([*common, "--set", "roi.steps=4", "-o", str(tmp_path / "a")], tmp_path)
+    r = _optimize([*common, "--set", "roi.steps=4", "--set", "keep_checkpoints=true", "-o", str(tmp_path / "a")], tmp_path)
     assert r.exit_code == 0, r.output
     roi = json.loads((tmp_path / "a" / "manifest.json").read_text())["method"]["roi"]
     assert roi["steps"] == 4 and roi["resumed_from_step"] == 0 and roi["state_to_model_ratio"] > 0
