@@ -125,6 +125,7 @@ class Manifest:
     quantization: dict | None = None              # --quant: the quantize stage's account
     wall_s: float | None = None
     onnx: dict | None = None                      # ONNX packages: the graph as written
+    frontier: dict | None = None                  # a search's candidates, budget and choice (optimizer/search.py)
     extra: dict = field(default_factory=dict)     # top-level keys this version does not know
 
     # --- typed readings of the open sections ---------------------------------------------------
@@ -148,9 +149,10 @@ class Manifest:
              "method": self.method, "quality": self.quality, "size": self.size,
              "plan": _as_dict(self.plan) if self.plan else None,
              "engine": self.engine.to_dict(), "checks": self.checks,
-             "heal": self.heal, "quantization": self.quantization, "wall_s": self.wall_s, "onnx": self.onnx}
+             "heal": self.heal, "quantization": self.quantization, "frontier": self.frontier, "wall_s": self.wall_s,
+             "onnx": self.onnx}
         # optional sections are absent rather than null, as they always were
-        optional = ("created", "source", "target", "plan", "heal", "quantization", "wall_s", "onnx")
+        optional = ("created", "source", "target", "plan", "heal", "quantization", "frontier", "wall_s", "onnx")
         return {**{k: v for k, v in d.items() if not (k in optional and v is None)}, **self.extra}
 
     def to_json(self) -> str:
@@ -178,7 +180,8 @@ class Manifest:
                        target=_from(Target, d.get("target")), method=d.get("method") or {},
                        quality=d.get("quality") or {}, size=d.get("size") or {}, plan=_from(Plan, d.get("plan")),
                        engine=Engine.from_dict(engine), checks=d.get("checks") or {}, heal=d.get("heal"),
-                       quantization=d.get("quantization"), wall_s=d.get("wall_s"), onnx=d.get("onnx"),
+                       quantization=d.get("quantization"), frontier=d.get("frontier"), wall_s=d.get("wall_s"),
+                       onnx=d.get("onnx"),
                        extra={k: v for k, v in d.items() if k not in known})
         except (AttributeError, TypeError) as e:  # a section that is not an object
             raise UserError(f"{where}: garbled manifest ({e})") from None

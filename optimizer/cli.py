@@ -17,8 +17,24 @@ def _doc(key: str) -> str:
 # The first-class options of `optimize` and the setting each one sets. Everything else is a setting
 # only (--set / --config), so that --help stays a page a person reads; --help-all lists them all.
 OPTIONS = {"target": "target", "out": "out", "format": "format", "retain": "retain", "method": "method",
-           "quant": "quant", "heal_tokens": "heal.tokens", "calib": "data.calib", "eval_": "data.eval",
-           "resume": "resume"}
+           "quant": "quant", "max_loss": "max_loss", "min_speedup": "min_speedup", "heal_tokens": "heal.tokens",
+           "calib": "data.calib", "eval_": "data.eval", "resume": "resume"}
+
+
+class Percent(click.ParamType):
+    """--max-loss 5% (or 5): the fraction 0.05."""
+    name = "PERCENT"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            return value
+        try:
+            pct = float(str(value).strip().removesuffix("%"))
+        except ValueError:
+            self.fail(f"{value!r} is not a percentage (e.g. 5%)", param, ctx)
+        if pct < 0:
+            self.fail(f"{value!r}: a loss budget is >= 0%", param, ctx)
+        return pct / 100
 
 
 def _show_help_all(ctx, _param, value):
@@ -42,12 +58,17 @@ def _show_help_all(ctx, _param, value):
 @click.option("--method", help=_doc("method"))
 @click.option("--retain", type=float, help=_doc("retain"))
 @click.option("--quant", help=_doc("quant"))
+@click.option("--max-loss", type=Percent(),
+              help="The search's quality budget: held-out perplexity at most this much above the dense model's "
+                   "[default: 5%]")
+@click.option("--min-speedup", type=float, help=_doc("min_speedup"))
 @click.option("--heal-tokens", type=int, help=_doc("heal.tokens"))
 @click.option("--no-heal", is_flag=True, help="Do not heal, whatever --heal-tokens says.")
 @click.option("--calib", type=click.Path(), help=_doc("data.calib"))
 @click.option("--eval", "eval_", type=click.Path(), help=_doc("data.eval"))
 @click.option("--resume", is_flag=True, help=_doc("resume"))
-@click.option("--dry-run", is_flag=True, help="Print the plan and the predicted speedup, then stop.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (or the search's candidates) and the predicted speedups, "
+                                              "then stop.")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="Any setting, e.g. --set ddp.steps=120 --set heal.lr=1e-4 (repeatable; --help-all lists them).")
 @click.option("--config", "config_file", type=click.Path(), metavar="FILE",

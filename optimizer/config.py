@@ -144,6 +144,9 @@ def check_heal_device(h: HealSettings) -> None:
                             "use heal.device=cpu (or auto)")
 
 
+DEFAULT_RETAIN = 0.7   # --retain where the search does not run (semi-structured, MoE, DDP, per-layer, torchrun)
+
+
 def refuse_width_settings(cfg, kind: str) -> None:
     """refit.on=true and retain_by=latency are about the heads and channels a structured kind
     removes; a kind that removes whole units (`kind` says which, and how) refuses them by name."""
@@ -168,7 +171,13 @@ class OptimizeConfig:
     method: str = setting("auto", "auto | structured (= activation, then heal) | activation (one-shot) | ddp (learned "
                                   "gates) | depth (whole blocks) | semi-structured | magnitude | wanda | sparsegpt | "
                                   "si+magnitude | si+wanda | si+sparsegpt | roi (learned N:M)")
-    retain: float = setting(0.7, "fraction of the transformer blocks' parameters (or latency: retain_by) kept, in (0, 1]")
+    retain: float | None = setting(None, "fraction of the transformer blocks' parameters (or latency: retain_by) kept, "
+                                         "in (0, 1]; none: search (pruning × precision under max_loss; methods the "
+                                         "search does not build take 0.7)")
+    max_loss: float = setting(0.05, "the search's quality budget: held-out perplexity at most (1 + this) × the dense "
+                                    "model's (0.05: +5%, the cost the field accepts for INT8)")
+    min_speedup: float | None = setting(None, "the search: the predicted decode speedup at batch 16 wanted; the best "
+                                              "quality within max_loss that reaches it (none: the fastest within it)")
     retain_by: str = setting("params", "what --retain counts: params | latency (the target's predicted latency)")
     sparsity: str = setting("2:4", "semi-structured methods: an N:M pattern (2:4, 4:8, 2:8) or an unstructured "
                                    "fraction (0.5)")
@@ -352,8 +361,12 @@ def validate(cfg: OptimizeConfig) -> None:
     from optimizer import data, plan as planner, sparsity as sparsity_mod
     if cfg.format not in FORMATS:
         raise UserError(f"unknown --format '{cfg.format}'; choose from: {', '.join(FORMATS)}")
-    if not 0 < cfg.retain <= 1:
+    if cfg.retain is not None and not 0 < cfg.retain <= 1:
         raise UserError(f"--retain must be in (0, 1], got {cfg.retain}")
+    if not 0 <= cfg.max_loss < 100:
+        raise UserError(f"max_loss must be a fraction >= 0 (0.05 is +5% perplexity), got {cfg.max_loss}")
+    if cfg.min_speedup is not None and cfg.min_speedup <= 0:
+        raise UserError(f"min_speedup must be > 0, got {cfg.min_speedup}")
     if cfg.retain_by not in RETAIN_BY:
         raise UserError(f"retain_by must be 'params' or 'latency', got '{cfg.retain_by}'")
     if cfg.calib_dtype not in ("auto", "float32", "bfloat16"):

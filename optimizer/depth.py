@@ -50,6 +50,17 @@ def check(cfg, adapter, config) -> None:
                         f"rewritten for fewer layers: use --method structured")
 
 
+def block_influence(job) -> "BlockInfluence":
+    """Each block's influence, read over the calibration windows."""
+    stats = BlockInfluence(job.adapter.blocks(job.model))
+    try:
+        for w in tqdm(job.calib.train[: job.cfg.data.calib_windows], desc="block influence", unit="win"):
+            stats.add_batch(job.model, w)
+    finally:
+        stats.close()
+    return stats
+
+
 def block_input(args: tuple, kwargs: dict) -> torch.Tensor:
     """A decoder block's input hidden states, as a forward hook with kwargs sees them."""
     return args[0] if args else kwargs["hidden_states"]
@@ -153,17 +164,25 @@ class Depth:
         return planner.roofline(plan.target, adapter, hf_config, adapter.dense_shape(hf_config),
                                 layers=Depth.blocks_kept(cfg, hf_config), **planner.quant_prediction(plan))
 
+    @staticmethod
+    def searcher(job: Job, retains: list[float]):
+        """For the search (optimizer/search.py): the block influence read once, then a function of a
+        retain that returns the model with that share of its blocks."""
+        if not retains:
+            return None
+        influence = block_influence(job)
+
+        def build(retain: float):
+            return remove_blocks(job.model, job.adapter,
+                                 influence.keep(blocks_to_keep(job.model.config.num_hidden_layers, retain)))
+        return build
+
     def method(self, job: Job) -> Decision:
         model, adapter, config = job.model, job.adapter, job.model.config
         n = blocks_to_keep(config.num_hidden_layers, job.cfg.retain)
         windows = job.calib.train[: job.cfg.data.calib_windows]
         started = time.time()
-        stats = BlockInfluence(adapter.blocks(model))
-        try:
-            for w in tqdm(windows, desc="block influence", unit="win"):
-                stats.add_batch(model, w)
-        finally:
-            stats.close()
+        stats = block_influence(job)
         keep = stats.keep(n)
         wall_s = round(time.time() - started, 1)
         removed = [i for i in range(config.num_hidden_layers) if i not in keep]

@@ -67,7 +67,8 @@ import torch
 
 from core.errors import UserError
 from core.manifest import Engine, Manifest, Plan, Source, Target, Tool
-from optimizer import data, distributed, evaluate, heal_data, load, quantize, training
+from optimizer import data, distributed, evaluate, heal_data, load, quantize, registry, training
+from optimizer import search as search_mod
 from optimizer import heal as heal_stage
 from optimizer.config import OptimizeConfig
 
@@ -81,6 +82,7 @@ class Calibration:
     text: data.Text
     train: torch.Tensor       # [windows, seq_len]: what methods observe and train on
     held_out: torch.Tensor    # [1, seq_len]: the last window, for shape choice and checks
+    search: torch.Tensor | None = None  # the search's held-out windows (optimizer/search.py), never trained on
 
 
 @dataclass
@@ -123,42 +125,71 @@ class Job:
             self.trainer = training.Trainer(resume=self.cfg.resume, seed=self.cfg.seed, log=self.log)
 
     # --- the skeleton ------------------------------------------------------------------------
-    def run(self, kind) -> dict:
-        """{"plan", "manifest" (the package's, as written), "out"}."""
+    def run(self, kind=None, candidates: list | None = None, budget=None) -> dict:
+        """{"plan", "manifest" (the package's, as written), "out"}. With `candidates` (and their
+        `budget`), the search (optimizer/search.py) scores them and the job builds the one it
+        chooses; otherwise `kind` builds the plan's."""
         main = distributed.is_main()   # several processes: only rank 0 evaluates and writes
         self.load()
-        self.calibrate()
+        self.calibrate(search=bool(candidates))
         if main:
             self.evaluate_dense()      # before any method: semi-structured ones edit in place
-        heal = self.cfg.heal.tokens > 0
+        # the heal data checked before minutes go to a search or a method
+        heal_files = self.heal_files() if self.cfg.heal.tokens > 0 and main else None
+        frontier = None
+        if candidates:
+            frontier = self.search(candidates, budget)
+            kind = registry.kind_class(self.plan.kind)()
+        # nothing removed (the dense model, quantized or not): nothing to heal
+        heal = self.cfg.heal.tokens > 0 and (bool(self.plan.sparsity) or self.cfg.retain < 1)
         teacher = heal_text = None
         if heal:
             # the teacher is the dense model: a copy where the method edits job.model in place
             teacher = copy.deepcopy(self.model) if kind.edits_in_place else self.model
-            heal_text = self.heal_text(teacher)  # too little heal text fails here, not after minutes of zero-shot
+            heal_text = self.heal_text(teacher, heal_files)  # too little fails here, not after minutes of zero-shot
+        elif self.cfg.heal.tokens:
+            self.log("heal: skipped, nothing was removed")
         if self.cfg.zeroshot and main:
             self.dense_zeroshot = self.zeroshot(self.model)
-        decision = kind.method(self)
-        model = kind.surgery(self, decision)
-        healed = None
-        if heal:
-            model, healed = self.heal(model, teacher, heal_text)
-        if not main:
-            return {"plan": self.plan, "manifest": None, "out": None}
-        quantized, unquantized_ppl = None, None
-        if self.plan.quant != "none":
-            if self.evaluation is not None:  # what quantizing costs, apart from what pruning and healing did
-                unquantized_ppl = evaluate.perplexity(model, self.evaluation.windows, "perplexity (unquantized)")
-            model, quantized = quantize.quantize(model, self.adapter, self.calib.train[:self.cfg.data.calib_windows],
-                                                 self.quant_config(), self.log)
+        while True:
+            decision = kind.method(self)
+            model = kind.surgery(self, decision)
+            healed = None
+            if heal:
+                model, healed = self.heal(model, teacher, heal_text)
+            if not main:
+                return {"plan": self.plan, "manifest": None, "out": None}
+            quantized, unquantized_ppl = None, None
+            if self.plan.quant != "none":
+                if self.evaluation is not None:  # what quantizing costs, apart from what pruning and healing did
+                    unquantized_ppl = evaluate.perplexity(model, self.evaluation.windows, "perplexity (unquantized)")
+                model, quantized = quantize.quantize(model, self.adapter, self.calib.train[:self.cfg.data.calib_windows],
+                                                     self.quant_config(), self.log)
+            if frontier is None or frontier.recheck(model):
+                break
+            # the healed candidate missed the budget: the best one with nothing removed instead
+            kind, heal = registry.kind_class(frontier.fall_back(self)), False
         quality = self.quality(model, unquantized_ppl)
         manifest = self.manifest(kind.describe(self, decision, model), quality, healed,
-                                 quantized.section if quantized else None)
+                                 quantized.section if quantized else None,
+                                 frontier.section() if frontier else None)
+        if frontier is not None:
+            frontier.plot(self.tmp / "frontier.png")
         training.stop_if_terminated()  # a SIGTERM something swallowed: no package goes into place
         kind.export(self, model, manifest, quantized)
         self.log(f"package: {self.out.resolve()}  (serve it: serve {self.out})")
         self.remove_checkpoints()
-        return {"plan": self.plan, "manifest": manifest, "out": self.out}
+        return {"plan": self.plan, "manifest": manifest, "out": self.out,
+                **({"frontier": manifest.frontier} if frontier else {})}
+
+    def search(self, candidates: list, budget) -> "search_mod.Frontier":
+        """Score the candidates on the held-out text, choose one, and take its settings and plan:
+        from here on the job builds that candidate."""
+        frontier = search_mod.Frontier(candidates, budget, heal=self.cfg.heal.tokens > 0, log=self.log)
+        frontier.score(self)
+        chosen = frontier.choose()
+        self.cfg, self.plan = chosen.cfg, chosen.plan
+        return frontier
 
     # --- load, calibrate, evaluate ------------------------------------------------------------
     def load(self) -> None:
@@ -170,16 +201,25 @@ class Job:
         self.architecture = (self.model.config.architectures or ["?"])[0]
         self.model = self.adapter.working_model(self.model)  # Phi-3: its fused projections split
 
-    def calibrate(self) -> Calibration:
-        """The calibration text and its windows; the last window is held out."""
+    def calibrate(self, search: bool = False) -> Calibration:
+        """The calibration text and its windows; the last window is held out (shape choice, refit,
+        heal checks), and for a search the SEARCH_WINDOWS before it too (its held-out text)."""
         d = self.cfg.data
         text = data.read_text_file(d.calib, "calibration file") if d.calib else data.builtin_text("calib")
         if text is None:
             text = data.self_generated_text(self.model, self.tok, (d.calib_windows + 1) * d.seq_len, self.cfg.seed)
         windows = data.token_windows(self.tok, text.text, d.seq_len)
         train, held_out = (windows[:-1], windows[-1:]) if len(windows) > 1 else (windows, windows)
+        set_aside = None
+        if search:
+            n = search_mod.SEARCH_WINDOWS
+            if len(train) < d.calib_windows + n:
+                raise UserError(f"the calibration text has {len(windows)} windows of {d.seq_len} tokens; the search "
+                                f"needs {d.calib_windows + n + 1} (data.calib_windows, {n} held out for the search "
+                                f"and one for the checks): a longer --calib, or pin a candidate with --retain")
+            train, set_aside = train[:-n], train[-n:]
         self.log(f"calibration: {text.description}, {train.numel()} tokens available")
-        self.calib = Calibration(text, train, held_out)
+        self.calib = Calibration(text, train, held_out, set_aside)
         return self.calib
 
     def evaluate_dense(self) -> None:
@@ -199,12 +239,9 @@ class Job:
         r = zeroshot.evaluate(model, self.tok, list(ZEROSHOT_TASKS), self.cfg.zeroshot)
         return {"mean": r["mean"], "tasks": {k: v["score"] for k, v in r["tasks"].items()}}
 
-    def heal_text(self, teacher) -> heal_data.HealText | None:
-        """The heal text, tokenized before pruning (too little is a one-line error now, not after),
-        and never the evaluation text: heal data that holds it is refused, a trace warned of. None
-        on the ranks other than 0, which receive rank 0's (heal._heal)."""
-        if not distributed.is_main():
-            return None
+    def heal_files(self) -> str | None:
+        """The --heal-data files read (checked, and the evaluation text refused in them, or in the
+        default heal data): before any minutes are spent on a method or a search. Rank 0 only."""
         s = self.cfg.heal
         files_text = heal_data.heal_files_text(s.data, self.tok) if s.data else None  # read once: checked, then tokenized
         if self.evaluation is not None:
@@ -219,6 +256,14 @@ class Job:
                                 f"make the reported perplexity a memory test: use other heal data or another --eval")
             if share > 0:
                 self.log(f"warning: {what} contains {share:.1%} of the evaluation text's lines")
+        return files_text
+
+    def heal_text(self, teacher, files_text: str | None) -> heal_data.HealText | None:
+        """The heal text, tokenized before pruning (too little is a one-line error now, not after).
+        None on the ranks other than 0, which receive rank 0's (heal._heal)."""
+        if not distributed.is_main():
+            return None
+        s = self.cfg.heal
         n_chat = heal_data.chat_answers(s, self.tok)
         chat = heal_data.teacher_chat(teacher, self.tok, n_chat, self.cfg.seed) if n_chat else None
         return heal_data.heal_text(s, self.tok, self.calib, chat, files_text)
@@ -292,7 +337,8 @@ class Job:
         return load.cache_dir() / "runs" / f"{kind}-{key}.pt"
 
     # --- the manifest ---------------------------------------------------------------------------
-    def manifest(self, sections: dict, quality: dict, heal: dict | None = None, quant: dict | None = None) -> Manifest:
+    def manifest(self, sections: dict, quality: dict, heal: dict | None = None, quant: dict | None = None,
+                 frontier: dict | None = None) -> Manifest:
         """The manifest every package carries; `sections` (method, size, engine, checks, format,
         and the achieved shape's prediction) come from the kind, `heal` and `quant` from those stages."""
         t, plan = self.target, self.plan
@@ -314,6 +360,7 @@ class Job:
             checks=sections["checks"],
             heal=heal or None,
             quantization=quant or None,
+            frontier=frontier,
             wall_s=round(time.time() - self.started, 1),
         )
 

@@ -9,14 +9,15 @@ directory that becomes the package only when complete.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Callable
 
 from core.errors import UserError
-from optimizer import distributed, load, plan as planner, profiles, registry
+from optimizer import distributed, load, plan as planner, profiles, registry, search
 from optimizer.adapters import get_adapter
-from optimizer.config import (DataConfig, DDPSettings, HealSettings, OnnxSettings, OptimizeConfig, RefitSettings,
-                              RoISettings, SISettings, validate)
+from optimizer.config import (DEFAULT_RETAIN, DataConfig, DDPSettings, HealSettings, OnnxSettings, OptimizeConfig,
+                              RefitSettings, RoISettings, SISettings, validate)
 from optimizer.job import Job, staged
 
 __all__ = ["optimize", "validate", "OptimizeConfig", "DataConfig", "DDPSettings", "RoISettings", "SISettings",
@@ -39,9 +40,13 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     except Exception as e:
         raise UserError(f"{source.description}: unreadable config ({type(e).__name__})") from None
     adapter = get_adapter(hf_config)
-    plan = planner.resolve(cfg, target, adapter, hf_config)
     if why_target:
         log(why_target)
+    if search.searches(cfg, adapter) and not planner.choose(target, cfg.method, engine_version=cfg.engine_version).sparsity:
+        return _search(cfg, target, source, adapter, hf_config, dry_run, log)
+    if cfg.retain is None:  # a kind the search does not build
+        cfg = dataclasses.replace(cfg, retain=DEFAULT_RETAIN)
+    plan = planner.resolve(cfg, target, adapter, hf_config)
     log(plan.text())
     h = cfg.heal
     lean = ", lean memory (Adafactor, activations recomputed per block)" if h.memory == "lean" else ""
@@ -54,6 +59,23 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
     out = Path(cfg.out or f"out/{source.name}-{target.name}-{plan.method}-{level}")
     with staged(out) if distributed.is_main() else contextlib.nullcontext() as tmp:  # rank 0 writes
         return Job(cfg, target, plan, source, adapter, out, tmp, log).run(registry.kind_class(plan.kind)())
+
+
+def _search(cfg, target, source, adapter, hf_config, dry_run: bool, log: Callable) -> dict:
+    """No --retain: score the candidates (optimizer/search.py) and package the one chosen."""
+    budget = search.Budget(cfg.max_loss, cfg.min_speedup)
+    cands = search.candidates(cfg, target, adapter, hf_config)
+    heal = cfg.heal.tokens > 0
+    log(f"search: {len(cands)} candidates (structure × precision) for {target.display_name}, {budget.text()}; "
+        f"a pruned one is healed ({cfg.heal.tokens:,} tokens) and re-checked before it ships"
+        if heal else f"search: {len(cands)} candidates (structure × precision) for {target.display_name}, "
+        f"{budget.text()}; healing is off, so a pruned one is judged as it is")
+    log(search.table(cands, heal))
+    if dry_run:
+        return {"plan": cands[0].plan, "dry_run": True, "candidates": cands}
+    out = Path(cfg.out or f"out/{source.name}-{target.name}")
+    with staged(out) as tmp:
+        return Job(cfg, target, cands[0].plan, source, adapter, out, tmp, log).run(candidates=cands, budget=budget)
 
 
 def _silent(*args, **kwargs) -> None:

@@ -189,11 +189,12 @@ def choose(target: Profile, method: str, engine: str = "vllm", engine_version: s
     return plan
 
 
-def resolve(cfg, target: Profile, adapter, hf_config) -> Plan:
+def resolve(cfg, target: Profile, adapter, hf_config, fewer_blocks: bool = True) -> Plan:
     """The plan, resolved once from the config, the target's profile and the model's config: the
     method and the kind of job that runs it, the precision, the reasons and the roofline prediction.
     Every refusal is made here, before any compute: the kind's own (`refuse` of its class in
-    optimizer/registry.py) and the package format's. Returns it frozen."""
+    optimizer/registry.py) and the package format's. Returns it frozen. `fewer_blocks`: whether
+    `auto` may take whole blocks instead of narrower ones (the search scores both itself)."""
     from optimizer.adapters import MoEAdapter, onnx_families
     plan = choose(target, cfg.method, engine_version=cfg.engine_version, sparsity=cfg.sparsity)
     moe = isinstance(adapter, MoEAdapter)
@@ -219,7 +220,7 @@ def resolve(cfg, target: Profile, adapter, hf_config) -> Plan:
         raise UserError(f"{adapter.family}: ONNX export covers the LLaMA-shaped families "
                         f"({', '.join(onnx_families())}); use --format vllm")
     plan.prediction = kind.predict(cfg, plan, adapter, hf_config)
-    if plan.kind == registry.STRUCTURED:
+    if plan.kind == registry.STRUCTURED and fewer_blocks:
         _fewer_blocks_instead(cfg, plan, adapter, hf_config)
     return plan.freeze()
 

@@ -116,6 +116,28 @@ def _blocks_lines(meth: dict) -> list[str]:
             "| kept | " + " | ".join("yes" if i in b["kept"] else "—" for i in range(b["dense"])) + " |"]
 
 
+def _search_lines(m: Manifest) -> list[str]:
+    """The search's candidates (manifest "frontier"), the budget and why this package."""
+    f = m.frontier
+    if not f:
+        return []
+    rows = ["| candidate | decode b1 | decode b16 | held-out ppl × dense | KL | expected × | s |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for c in f["candidates"]:
+        p, q = c["predicted"], c["quality"]
+        rows.append(f"| {c['label']}{' **(chosen)**' if c['chosen'] else ''} | {p['decode_speedup_b1']:.2f}x | "
+                    f"{p['decode_speedup_b16']:.2f}x | {q['ppl_ratio']:.3f} | {q['kl']:.4f} | "
+                    f"{c['expected_ppl_ratio']:.3f} | {c['seconds']:.0f} |")
+    checked = f.get("chosen_checked")
+    return ["", "## Search", "",
+            f"Budget: {f['budget']['text']}. Held-out text: {f['held_out']}. Speeds are the target's roofline; "
+            "\"expected\" is the measured ratio, for a pruned candidate with the share healing is predicted to win "
+            "back" + (f" ({f['heal_recovery_predicted']:.0%} of the excess)" if f.get("heal_recovery_predicted") else "")
+            + ". `frontier.png` plots them.", "", *rows, "", f"Chosen: {f['why']}."
+            + (f" Re-checked as shipped (healed, quantized): {checked['ppl_ratio']:.3f}× dense on the held-out text."
+               if checked else "")]
+
+
 def _head(m: Manifest) -> list[str]:
     return [f"# {m.engine.served_model_name}", "",
             f"- source: {m.source.model} ({m.source.architecture})",
@@ -143,7 +165,7 @@ def render(m: Manifest) -> str:
         "",
         *(_blocks_lines(meth) if "blocks" in meth else _shape_lines(meth)),
     ]
-    lines += ["", "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m)]
+    lines += ["", "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m), *_search_lines(m)]
     lines += ["", "## Plan", "", "```", m.plan.text, "```", "",
               "The roofline is a prediction from the target's datasheet numbers; "
               "`bench PACKAGE --baseline MODEL` measures the real ratio on your hardware."]

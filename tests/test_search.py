@@ -1,0 +1,140 @@
+"""The frontier search (optimizer/search.py): candidates, the choice within the budget, the package."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from optimizer import search
+from optimizer.errors import UserError
+
+
+def _cand(structure, retain, precision, ratio, b16, b1=None):
+    plan = SimpleNamespace(prediction={"decode_speedup_b16": b16, "decode_speedup_b1": b1 or b16, "prefill_speedup": b16},
+                           method="structured", quant_reason="", target=SimpleNamespace(kind="gpu"))
+    return search.Candidate(structure, retain, precision, cfg=None, plan=plan, quality={"ppl_ratio": ratio, "kl": 0.0})
+
+
+def _field():
+    return [_cand("dense", 1.0, "none", 1.0, 1.0), _cand("dense", 1.0, "int8", 1.02, 1.3),
+            _cand("dense", 1.0, "w4a16", 1.09, 1.5), _cand("width", 0.9, "int8", 1.20, 1.35),
+            _cand("width", 0.9, "none", 1.05, 1.06)]
+
+
+def test_the_choice_is_the_fastest_candidate_within_the_budget_and_never_one_over_it():
+    for max_loss in (0.0, 0.01, 0.03, 0.05, 0.1, 0.2, 0.5):
+        for heal in (False, True):
+            cands = _field()
+            chosen, why = search.choose(cands, search.Budget(max_loss), heal)
+            within = [c for c in cands if c.expected_ratio(heal) <= 1 + max_loss]
+            assert chosen in within and chosen.speedup_b16 == max(c.speedup_b16 for c in within)
+            assert chosen.label() in why
+
+
+def test_a_pruned_candidate_is_judged_by_what_healing_is_predicted_to_buy_back():
+    cands = _field()
+    chosen, _ = search.choose(cands, search.Budget(0.12), heal=False)
+    assert chosen.label() == "no pruning, W4A16"  # 1.5x at +9%; width 90% INT8 at +20% is over
+    chosen, why = search.choose(_field(), search.Budget(0.12), heal=True)
+    assert chosen.label() == "no pruning, W4A16"  # +20% healed is expected at +12%: 1.35x, slower anyway
+    cands = _field()
+    cands[3].plan.prediction["decode_speedup_b16"] = 1.6
+    chosen, why = search.choose(cands, search.Budget(0.12), heal=True)
+    assert chosen.structure == "width" and "expected after" in why
+
+
+def test_when_no_pruned_candidate_fits_the_reason_says_what_pruning_costs():
+    chosen, why = search.choose(_field(), search.Budget(0.05), heal=True)
+    assert chosen.label() == "no pruning, INT8 W8A8"
+    assert "Pruning 10% (width) costs +20.0% perplexity on this model" in why and "over the 5% budget" in why
+
+
+def test_min_speedup_takes_the_best_quality_that_reaches_it():
+    chosen, _ = search.choose(_field(), search.Budget(0.1, min_speedup=1.25), heal=False)
+    assert chosen.label() == "no pruning, INT8 W8A8"
+    chosen, why = search.choose(_field(), search.Budget(0.01, min_speedup=1.25), heal=False)
+    assert chosen.label() == "no pruning, 16-bit" and "none within it reaches 1.25x" in why
+
+
+def test_the_frontier_section_marks_one_chosen_and_the_undominated():
+    cands = _field()
+    chosen, why = search.choose(cands, search.Budget(0.05), heal=False)
+    chosen.chosen = True
+    s = search.section(cands, search.Budget(0.05), why, False, None)
+    assert [c["chosen"] for c in s["candidates"]].count(True) == 1
+    assert s["frontier"] == [0, 1, 2]  # width 90% INT8 is slower than W4A16 and worse; 16-bit width 90% too
+
+
+def _run(args, tmp_path):
+    from optimizer.cli import optimize
+    return CliRunner().invoke(optimize, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture
+def eval_file(tmp_path):
+    p = tmp_path / "eval.txt"  # other text than the calibration's, which the heal trains on
+    p.write_text("\n".join(f"Line {i} of a held-out text about rivers, towns and the number {i * 7}." for i in range(600)))
+    return p
+
+
+def _common(tiny_dirs, text_file, eval_file):
+    return [tiny_dirs["llama"], "--target", "a100", "--calib", text_file, "--eval", eval_file,
+            "--set", "data.seq_len=128", "--set", "data.calib_windows=2", "--set", "data.eval_windows=1"]
+
+
+def test_optimize_without_retain_searches_and_ships_the_chosen_candidate(tiny_dirs, text_file, eval_file, tmp_path):
+    out = tmp_path / "pkg"
+    r = _run([*_common(tiny_dirs, text_file, eval_file), "--max-loss", "50%", "--heal-tokens", "512", "--set", "heal.chat=0",
+              "-o", out], tmp_path)
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    f = m["frontier"]
+    assert f["budget"]["max_loss"] == 0.5 and len(f["candidates"]) >= 4
+    chosen = [c for c in f["candidates"] if c["chosen"]]
+    assert len(chosen) == 1 and (out / "frontier.png").is_file()
+    c = chosen[0]
+    within = [x for x in f["candidates"] if x["expected_ppl_ratio"] <= 1.5]
+    if "chosen_checked" not in f or f["chosen_checked"]["ppl_ratio"] <= 1.5:
+        # the fastest (speeds equal to 1%: the better quality) within the budget
+        assert round(c["predicted"]["decode_speedup_b16"], 2) == max(round(x["predicted"]["decode_speedup_b16"], 2)
+                                                                     for x in within)
+    assert m["method"]["retain_requested"] == c["retain"]
+    assert (m.get("quantization") or {}).get("precision", "none") == c["precision"]
+    assert ("heal" in m) == (c["structure"] != "dense")  # nothing removed: nothing healed
+    assert "## Search" in (out / "report.md").read_text()
+
+
+def test_the_search_never_ships_over_its_budget(tiny_dirs, text_file, eval_file, tmp_path):
+    out = tmp_path / "pkg"
+    r = _run([*_common(tiny_dirs, text_file, eval_file), "--max-loss", "0%", "--no-heal", "--quant", "int8", "-o", out],
+             tmp_path)
+    assert r.exit_code == 0, r.output
+    f = json.loads((out / "manifest.json").read_text())["frontier"]
+    chosen = next(c for c in f["candidates"] if c["chosen"])
+    assert chosen["expected_ppl_ratio"] <= 1.0 or chosen["structure"] == "dense"
+
+
+def test_explicit_retain_pins_the_candidate_and_nothing_removed_is_not_healed(tiny_dirs, text_file, eval_file, tmp_path):
+    out = tmp_path / "pkg"
+    r = _run([*_common(tiny_dirs, text_file, eval_file), "--retain", "1.0", "--quant", "int8", "--heal-tokens", "512",
+              "--set", "heal.chat=0", "-o", out], tmp_path)
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    assert "frontier" not in m and "heal" not in m and m["quantization"]["precision"] == "int8"
+    assert "heal: skipped, nothing was removed" in r.output
+
+
+def test_dry_run_lists_the_candidates_with_their_predicted_speeds(tiny_dirs, text_file, eval_file, tmp_path):
+    r = _run([*_common(tiny_dirs, text_file, eval_file), "--dry-run"], tmp_path)
+    assert r.exit_code == 0, r.output
+    assert "search: " in r.output and "| width 90%, INT8 W8A8 |" in r.output and not (tmp_path / "out").exists()
+
+
+def test_bad_budgets_are_one_line_errors(tiny_dirs, text_file, eval_file, tmp_path):
+    r = _run([*_common(tiny_dirs, text_file, eval_file), "--max-loss", "five", "--dry-run"], tmp_path)
+    assert r.exit_code == 2 and "not a percentage" in r.output
+    r = _run([*_common(tiny_dirs, text_file, eval_file), "--min-speedup", "-1", "--dry-run"], tmp_path)
+    assert r.exit_code == 2 and "min_speedup must be > 0" in r.output
