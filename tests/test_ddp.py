@@ -293,7 +293,7 @@ def test_bad_ddp_settings_are_one_line_errors(field, value):
     """β divides the budget term and λ's step: 0 must fail at the edge, not as a ZeroDivisionError."""
     from optimizer.errors import UserError
     from optimizer.pipeline import DDPSettings, OptimizeConfig, validate
-    with pytest.raises(UserError, match="DDP"):
+    with pytest.raises(UserError, match=r"ddp\."):
         validate(OptimizeConfig(target="a100", ddp=DDPSettings(**{field: value})))
 
 
