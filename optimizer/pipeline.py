@@ -66,6 +66,8 @@ def _search(cfg, target, source, adapter, hf_config, dry_run: bool, log: Callabl
     budget = search.Budget(cfg.max_loss, cfg.min_speedup)
     cands = search.candidates(cfg, target, adapter, hf_config)
     heal = cfg.heal.tokens > 0
+    first = cands[0].plan  # the target, the engine and why no 2:4 kernel serves it are every candidate's
+    log("\n".join([*first.text().splitlines()[:2], f"  why: {first.reasons[0]}"]))
     log(f"search: {len(cands)} candidates (structure × precision) for {target.display_name}, {budget.text()}; "
         f"a pruned one is healed ({cfg.heal.tokens:,} tokens) and re-checked before it ships"
         if heal else f"search: {len(cands)} candidates (structure × precision) for {target.display_name}, "

@@ -152,6 +152,8 @@ def candidates(cfg, target, adapter, hf_config) -> list[Candidate]:
             try:
                 plan = planner.resolve(pinned, target, adapter, hf_config, fewer_blocks=False)
             except UserError:
+                if not out:  # the dense model itself refused: the settings are, whatever the search
+                    raise
                 continue  # this model or format cannot take it (too few blocks, a shape, a precision)
             if plan.quant != precision:
                 continue  # the package format keeps another precision (planner.choose_quant)

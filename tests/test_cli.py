@@ -56,7 +56,7 @@ def test_optimize_writes_a_complete_package(tiny_dirs, text_file, tmp_path, fami
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tiny_dirs, tmp_path):
-    r = _run(optimize, [tiny_dirs["llama"], "--target", "a100", "--dry-run", "-o", tmp_path / "x"])
+    r = _run(optimize, [tiny_dirs["llama"], "--target", "a100", "--retain", "0.7", "--dry-run", "-o", tmp_path / "x"])
     assert r.exit_code == 0
     assert "A100 (SM 8.0) + vLLM" in r.output and "no 2:4 kernel" in r.output and "structured" in r.output
     assert "prefill" in r.output and "decode" in r.output
@@ -93,19 +93,20 @@ def test_h100_with_an_old_vllm_sees_the_2to4_kernel(tiny_dirs):
 
 
 def test_help_is_a_page_and_help_all_lists_every_setting():
-    """--help: the dozen options a person reads, with room for the frontier search's --max-loss and
-    --min-speedup; every other setting is --set / --config, listed by --help-all from the dataclasses."""
+    """--help: the options a person reads, the frontier search's --max-loss and --min-speedup among
+    them; every other setting is --set / --config, listed by --help-all from the dataclasses."""
     import click
     from optimizer import config
     ctx = click.Context(optimize)
     names = {name for p in optimize.get_params(ctx) if isinstance(p, click.Option) for name in p.opts}
     working = [p for p in optimize.get_params(ctx) if isinstance(p, click.Option)
                and not {"--help", "--help-all"} & set(p.opts)]
-    assert len(working) + 2 <= 16, [p.opts for p in working]  # + --max-loss, --min-speedup to come
-    assert {"--target", "-t", "-o", "--out", "--format", "--retain", "--method", "--quant", "--heal-tokens",
+    assert len(working) <= 16, [p.opts for p in working]
+    assert {"--target", "-t", "-o", "--out", "--format", "--retain", "--method", "--quant", "--max-loss",
+            "--min-speedup", "--heal-tokens",
             "--no-heal", "--calib", "--eval", "--resume", "--dry-run", "--set", "--config", "--help-all"} <= names
     r = _run(optimize, ["--help"])
-    assert r.exit_code == 0 and "--set KEY=VALUE" in r.output and "[default: 0.7]" in r.output
+    assert r.exit_code == 0 and "--set KEY=VALUE" in r.output and "[default: 5%]" in r.output
     assert "--ddp-lr" not in r.output and "--budget" not in r.output
     r = _run(optimize, ["--help-all"])
     assert r.exit_code == 0
@@ -137,7 +138,7 @@ def test_set_parses_each_settings_type(monkeypatch):
     assert (cfg.sparsity, cfg.heal.seq_len, cfg.ddp.lr_end) == ("4:8", 64, 0.0)
     assert isinstance(cfg.ddp.steps, int) and isinstance(cfg.ddp.lr_end, float)
     default = _settings(monkeypatch, [])
-    assert default.refit.on is None and default.heal.tokens == 36_864 and default.retain == 0.7
+    assert default.refit.on is None and default.heal.tokens == 36_864 and default.retain is None
 
 
 def test_a_config_file_nested_or_dotted_then_set_then_options(monkeypatch, tmp_path):

@@ -369,7 +369,8 @@ def test_the_report_names_the_shapes_the_kernel_does_not_take():
 def test_a_requested_precision_names_autos_choice_and_w4a16_its_group_and_marlins_width(tiny_dirs, text_file):
     """--quant w4a16 on a GPU target: the plan says what auto would have taken, the group size, and
     that vLLM's Marlin kernel wants input widths that are multiples of 128 (the tiny model's are not)."""
-    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--quant", "w4a16", "--dry-run"],
+    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--retain", "0.7", "--quant", "w4a16",
+                                      "--dry-run"],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     why = r.output.split("quantization: W4A16\n", 1)[1].splitlines()[0]

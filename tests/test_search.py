@@ -138,3 +138,35 @@ def test_bad_budgets_are_one_line_errors(tiny_dirs, text_file, eval_file, tmp_pa
     assert r.exit_code == 2 and "not a percentage" in r.output
     r = _run([*_common(tiny_dirs, text_file, eval_file), "--min-speedup", "-1", "--dry-run"], tmp_path)
     assert r.exit_code == 2 and "min_speedup must be > 0" in r.output
+
+
+def test_a_healed_candidate_that_misses_the_budget_falls_back_to_one_with_nothing_removed(
+        tiny_dirs, text_file, eval_file, tmp_path, monkeypatch):
+    """The re-check after healing and quantizing is the last word: here it is made to miss (every
+    quality measured after the choice is 2x), and the package is the best unpruned candidate."""
+    chose = []
+    real_choose, real_quality = search.choose, search.Reference.quality
+
+    def choose(cands, budget, heal):
+        for c in cands:  # make a pruned candidate the fastest and (predicted) within the budget
+            if c.pruned:
+                c.quality = {**c.quality, "ppl_ratio": 1.0}
+                c.plan.prediction["decode_speedup_b16"] += 1
+        chose.append(True)
+        return real_choose(cands, budget, heal)
+
+    def quality(self, model):
+        q = real_quality(self, model)
+        return {**q, "ppl_ratio": 2.0} if chose else q
+    monkeypatch.setattr(search, "choose", choose)
+    monkeypatch.setattr(search.Reference, "quality", quality)
+    out = tmp_path / "pkg"
+    r = _run([*_common(tiny_dirs, text_file, eval_file), "--heal-tokens", "512", "--set", "heal.chat=0", "-o", out],
+             tmp_path)
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    f = m["frontier"]
+    chosen = [c for c in f["candidates"] if c["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["structure"] == "dense"
+    assert f["chosen_checked"]["ppl_ratio"] == 2.0 and "missed the budget" in f["why"]
+    assert m["method"]["retain_requested"] == 1.0 and "heal" not in m
