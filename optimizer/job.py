@@ -162,7 +162,8 @@ class Job:
             quantized, unquantized_ppl = None, None
             if self.plan.quant != "none":
                 if self.evaluation is not None:  # what quantizing costs, apart from what pruning and healing did
-                    unquantized_ppl = evaluate.perplexity(model, self.evaluation.windows, "perplexity (unquantized)")
+                    unquantized_ppl = (self.dense_ppl if self.cfg.retain >= 1 and not self.plan.sparsity  # the dense model
+                                       else evaluate.perplexity(model, self.evaluation.windows, "perplexity (unquantized)"))
                 model, quantized = quantize.quantize(model, self.adapter, self.calib.train[:self.cfg.data.calib_windows],
                                                      self.quant_config(), self.log)
             if frontier is None or frontier.recheck(model):

@@ -125,9 +125,10 @@ def _search_lines(m: Manifest) -> list[str]:
             "|---|---:|---:|---:|---:|---:|---:|"]
     for c in f["candidates"]:
         p, q = c["predicted"], c["quality"]
+        measured = (f"{q['ppl_ratio']:.3f} | {q['kl']:.4f} | {c['expected_ppl_ratio']:.3f} | {c['seconds']:.0f}" if q
+                    else f"not scored: {c.get('skipped', '')} | — | — | —")
         rows.append(f"| {c['label']}{' **(chosen)**' if c['chosen'] else ''} | {p['decode_speedup_b1']:.2f}x | "
-                    f"{p['decode_speedup_b16']:.2f}x | {q['ppl_ratio']:.3f} | {q['kl']:.4f} | "
-                    f"{c['expected_ppl_ratio']:.3f} | {c['seconds']:.0f} |")
+                    f"{p['decode_speedup_b16']:.2f}x | {measured} |")
     checked = f.get("chosen_checked")
     return ["", "## Search", "",
             f"Budget: {f['budget']['text']}. Held-out text: {f['held_out']}. Speeds are the target's roofline; "

@@ -81,6 +81,11 @@ class Candidate:
     quality: dict = field(default_factory=dict)       # ppl_ratio (worst held-out text), kl, per text
     seconds: float = 0.0
     chosen: bool = False
+    skipped: str | None = None                        # why it was not measured (a cheaper one was over already)
+
+    @property
+    def scored(self) -> bool:
+        return bool(self.quality)
 
     @property
     def pruned(self) -> bool:
@@ -115,8 +120,8 @@ class Candidate:
                 "predicted": {"decode_speedup_b1": round(p["decode_speedup_b1"], 3),
                               "decode_speedup_b16": round(p["decode_speedup_b16"], 3),
                               "prefill_speedup": round(p["prefill_speedup"], 3)},
-                "quality": self.quality, "expected_ppl_ratio": _round(self.expected_ratio(heal)),
-                "seconds": self.seconds, "chosen": self.chosen}
+                "quality": self.quality or None, "expected_ppl_ratio": _round(self.expected_ratio(heal)),
+                "seconds": self.seconds, "chosen": self.chosen, **({"skipped": self.skipped} if self.skipped else {})}
 
 
 def _round(x, digits=4):
@@ -183,7 +188,7 @@ def table(cands: list[Candidate], heal: bool) -> str:
         mark = " **(chosen)**" if c.chosen else ""
         rows.append(f"| {c.label()}{mark} | {c.speedup_b1:.2f}x | {c.speedup_b16:.2f}x | "
                     + (f"{q['ppl_ratio']:.3f} | {q['kl']:.4f} | {c.expected_ratio(heal):.3f} | {c.seconds:.0f} |"
-                       if q else "— | — | — | — |"))
+                       if q else f"not scored: {c.skipped} | — | — | — |" if c.skipped else "— | — | — | — |"))
     return "\n".join(rows)
 
 
@@ -257,25 +262,46 @@ class Reference:
                               "tokens": int(self.texts[k].numel())} for k, r in ratios.items()}}
 
 
-def score(job, cands: list[Candidate], reference: Reference) -> None:
-    """Build, quantize and measure every candidate (their `quality` and `seconds` filled in). One
-    calibration pass: the width statistics and the block influence are observed once and every
-    retain decides from them; one pruned model and one quantized copy exist at a time."""
-    from optimizer.structured import Structured
+# Precisions from the least lossy to the most: a candidate is skipped where one at least as intact
+# (no more pruned) and at least as precise was already over the budget.
+PRECISION_RANK = {"none": 0, "fp8": 1, "int8": 1, "w4a16": 2}
+
+
+def score(job, cands: list[Candidate], reference: Reference, limit: float | None = None, heal: bool = True) -> None:
+    """Build, quantize and measure the candidates (their `quality` and `seconds` filled in), most
+    intact and most precise first. One calibration pass: the width statistics and the block
+    influence are observed once (on first use) and every retain decides from them; one pruned model
+    and one quantized copy exist at a time. With `limit` (1 + max_loss), a candidate is not measured
+    where a more intact, more precise one was already expected over it: pruning more or quantizing
+    harder does not win loss back (cheap proxies first, the real measure where it can matter)."""
     from optimizer.depth import Depth
+    from optimizer.structured import Structured
     model, adapter = job.model, job.adapter
     structures = sorted({(c.structure, c.retain) for c in cands}, key=lambda s: (s[0] != "dense", s[0], -s[1]))
-    builders = {"width": Structured.searcher(job, [r for s, r in structures if s == "width"]),
-                "blocks": Depth.searcher(job, [r for s, r in structures if s == "blocks"])}
+    searchers = {"width": Structured.searcher, "blocks": Depth.searcher}
+    builders = {}
     windows = job.calib.train[:job.cfg.data.calib_windows]
-    dropped = []
+    dropped, over = [], []
     for structure, retain in structures:
-        started = time.time()
-        pruned = model if structure == "dense" else builders[structure](retain)
-        built_s = time.time() - started
-        mine = [c for c in cands if (c.structure, c.retain) == (structure, retain)]
+        mine = sorted((c for c in cands if (c.structure, c.retain) == (structure, retain)),
+                      key=lambda c: PRECISION_RANK[c.precision])
+        pruned, built_s = None, 0.0
         for c in mine:
+            worse_than = next((o for o in over if o.structure in ("dense", c.structure) and o.retain >= c.retain
+                               and PRECISION_RANK[o.precision] <= PRECISION_RANK[c.precision]), None)
+            if worse_than is not None:
+                c.skipped = f"{worse_than.label()} is over the budget already"
+                continue
             started = time.time()
+            if pruned is None:  # built once for this structure's precisions
+                if structure == "dense":
+                    pruned = model
+                else:
+                    if structure not in builders:
+                        builders[structure] = searchers[structure](job, [r for s, r in structures if s == structure])
+                    pruned = builders[structure](retain)
+                built_s = time.time() - started
+                started = time.time()
             if structure == "dense" and c.precision == "none":
                 c.quality = {"ppl_ratio": 1.0, "kl": 0.0, "texts": {k: {"ppl_ratio": 1.0, "kl": 0.0}
                                                                      for k in reference.texts}}
@@ -291,9 +317,12 @@ def score(job, cands: list[Candidate], reference: Reference) -> None:
                         continue
                 c.quality = reference.quality(m)
                 del m
-            c.seconds = round(time.time() - started + built_s / len(mine), 1)
+            c.seconds = round(time.time() - started + built_s, 1)
+            built_s = 0.0  # the build counts to the first candidate measured on it
             job.log(f"candidate {c.label()}: held-out perplexity {c.quality['ppl_ratio']:.3f}x dense, "
                     f"KL {c.quality['kl']:.4f}; predicted {c.speedup_b16:.2f}x at batch 16 ({c.seconds:.0f} s)")
+            if limit is not None and c.expected_ratio(heal) > limit:
+                over.append(c)
         del pruned
     for c in dropped:
         cands.remove(c)
@@ -312,7 +341,7 @@ def choose(cands: list[Candidate], budget: Budget, heal: bool) -> tuple[Candidat
     within the budget; with a min_speedup, the best quality among those that reach it. Returns it
     and one line saying why, and what pruning would have cost where no pruned candidate fits."""
     limit = 1 + budget.max_loss
-    ok = [c for c in cands if c.expected_ratio(heal) <= limit]
+    ok = [c for c in cands if c.scored and c.expected_ratio(heal) <= limit]
     if not ok:  # the dense model in 16-bit is always within any budget: a quantized-only search
         raise UserError(f"no candidate is within the budget ({budget.text()}): raise --max-loss")
     fastest = max(ok, key=lambda c: (round(c.speedup_b16, 2), -c.quality["ppl_ratio"]))
@@ -328,12 +357,14 @@ def choose(cands: list[Candidate], budget: Budget, heal: bool) -> tuple[Candidat
     if budget.min_speedup and chosen.speedup_b16 < budget.min_speedup:
         why += f"; none within it reaches {budget.min_speedup:.2f}x"
     if not chosen.pruned:
-        pruned = sorted((c for c in cands if c.pruned and c.precision == chosen.precision), key=lambda c: -c.retain)
+        pruned = sorted((c for c in cands if c.pruned and c.scored and c.precision in (chosen.precision, "none")),
+                        key=lambda c: (-c.retain, c.precision != chosen.precision))
         if pruned:
             p = pruned[0]
             after = f" ({_plus(p.expected_ratio(heal))} expected after healing)" if heal else ""
-            why += (f". Pruning {1 - p.retain:.0%} ({p.structure}) costs {_plus(p.quality['ppl_ratio'])} perplexity "
-                    f"on this model{after}, over the {budget.max_loss:.0%} budget: "
+            what = "" if p.precision == "none" else f" in {QUANT_NAMES[p.precision]}"
+            why += (f". Pruning {1 - p.retain:.0%} ({p.structure}{what}) costs {_plus(p.quality['ppl_ratio'])} "
+                    f"perplexity on this model{after}, over the {budget.max_loss:.0%} budget: "
                     f"{'16-bit' if chosen.precision == 'none' else QUANT_NAMES[chosen.precision]} without pruning")
     return chosen, why
 
@@ -344,7 +375,7 @@ def _plus(ratio: float) -> str:
 
 def fallback(cands: list[Candidate], budget: Budget) -> Candidate:
     """The fastest candidate with nothing removed within the budget (the dense 16-bit model at worst)."""
-    ok = [c for c in cands if not c.pruned and c.quality["ppl_ratio"] <= 1 + budget.max_loss]
+    ok = [c for c in cands if not c.pruned and c.scored and c.quality["ppl_ratio"] <= 1 + budget.max_loss]
     return max(ok, key=lambda c: (round(c.speedup_b16, 2), -c.quality["ppl_ratio"]))
 
 
@@ -355,14 +386,14 @@ def section(cands: list[Candidate], budget: Budget, why: str, heal: bool, checke
             "held_out": "calibration windows no statistic or heal read, and the dense model's chat answers",
             "heal_recovery_predicted": HEAL_RECOVERY if heal else None,
             "candidates": [c.record(heal) for c in cands], "why": why,
-            "frontier": [i for i, c in enumerate(cands) if not _dominated(c, cands)],
+            "frontier": [i for i, c in enumerate(cands) if c.scored and not _dominated(c, cands)],
             **({"chosen_checked": checked} if checked else {})}
 
 
 def _dominated(c: Candidate, cands: list[Candidate]) -> bool:
     """Another candidate is at least as fast and as good, and better in one."""
     q = c.quality["ppl_ratio"]
-    return any(o is not c and o.speedup_b16 >= c.speedup_b16 and o.quality["ppl_ratio"] <= q
+    return any(o is not c and o.scored and o.speedup_b16 >= c.speedup_b16 and o.quality["ppl_ratio"] <= q
                and (o.speedup_b16 > c.speedup_b16 or o.quality["ppl_ratio"] < q) for o in cands)
 
 
@@ -373,7 +404,7 @@ def plot(cands: list[Candidate], budget: Budget, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for c in cands:
+    for c in (c for c in cands if c.scored):
         style = {"dense": "o", "width": "s", "blocks": "^"}[c.structure]
         color = {"none": "tab:gray", "int8": "tab:blue", "fp8": "tab:purple", "w4a16": "tab:green"}[c.precision]
         ax.scatter(c.quality["ppl_ratio"], c.speedup_b16, marker=style, color=color, s=90 if c.chosen else 40,
@@ -408,7 +439,7 @@ class Frontier:
         tokens = sum(int(w.numel()) for w in self.reference.texts.values())
         self.log(f"search: {len(self.cands)} candidates on {tokens:,} held-out tokens "
                  f"({' and '.join(self.reference.texts)}); {self.budget.text()}")
-        score(job, self.cands, self.reference)
+        score(job, self.cands, self.reference, 1 + self.budget.max_loss, self.heal)
         self.log(f"search: scored in {time.time() - started:.0f} s\n{table(self.cands, self.heal)}")
 
     def choose(self) -> Candidate:

@@ -49,7 +49,8 @@ def test_a_pruned_candidate_is_judged_by_what_healing_is_predicted_to_buy_back()
 def test_when_no_pruned_candidate_fits_the_reason_says_what_pruning_costs():
     chosen, why = search.choose(_field(), search.Budget(0.05), heal=True)
     assert chosen.label() == "no pruning, INT8 W8A8"
-    assert "Pruning 10% (width) costs +20.0% perplexity on this model" in why and "over the 5% budget" in why
+    assert "Pruning 10% (width in INT8 W8A8) costs +20.0% perplexity on this model" in why
+    assert "(+12.0% expected after healing), over the 5% budget: INT8 W8A8 without pruning" in why
 
 
 def test_min_speedup_takes_the_best_quality_that_reaches_it():
@@ -96,7 +97,7 @@ def test_optimize_without_retain_searches_and_ships_the_chosen_candidate(tiny_di
     chosen = [c for c in f["candidates"] if c["chosen"]]
     assert len(chosen) == 1 and (out / "frontier.png").is_file()
     c = chosen[0]
-    within = [x for x in f["candidates"] if x["expected_ppl_ratio"] <= 1.5]
+    within = [x for x in f["candidates"] if x["quality"] and x["expected_ppl_ratio"] <= 1.5]
     if "chosen_checked" not in f or f["chosen_checked"]["ppl_ratio"] <= 1.5:
         # the fastest (speeds equal to 1%: the better quality) within the budget
         assert round(c["predicted"]["decode_speedup_b16"], 2) == max(round(x["predicted"]["decode_speedup_b16"], 2)
@@ -109,12 +110,14 @@ def test_optimize_without_retain_searches_and_ships_the_chosen_candidate(tiny_di
 
 def test_the_search_never_ships_over_its_budget(tiny_dirs, text_file, eval_file, tmp_path):
     out = tmp_path / "pkg"
-    r = _run([*_common(tiny_dirs, text_file, eval_file), "--max-loss", "0%", "--no-heal", "--quant", "int8", "-o", out],
-             tmp_path)
+    r = _run([*_common(tiny_dirs, text_file, eval_file), "--max-loss", "0%", "--no-heal", "-o", out], tmp_path)
     assert r.exit_code == 0, r.output
     f = json.loads((out / "manifest.json").read_text())["frontier"]
     chosen = next(c for c in f["candidates"] if c["chosen"])
-    assert chosen["expected_ppl_ratio"] <= 1.0 or chosen["structure"] == "dense"
+    assert chosen["expected_ppl_ratio"] <= 1.0
+    assert all(c["quality"] is None or c["chosen"] or c["expected_ppl_ratio"] > 1.0
+               or c["predicted"]["decode_speedup_b16"] <= chosen["predicted"]["decode_speedup_b16"] + 0.005
+               for c in f["candidates"])
 
 
 def test_explicit_retain_pins_the_candidate_and_nothing_removed_is_not_healed(tiny_dirs, text_file, eval_file, tmp_path):
@@ -149,7 +152,7 @@ def test_a_healed_candidate_that_misses_the_budget_falls_back_to_one_with_nothin
 
     def choose(cands, budget, heal):
         for c in cands:  # make a pruned candidate the fastest and (predicted) within the budget
-            if c.pruned:
+            if c.pruned and c.scored:
                 c.quality = {**c.quality, "ppl_ratio": 1.0}
                 c.plan.prediction["decode_speedup_b16"] += 1
         chose.append(True)
@@ -170,3 +173,47 @@ def test_a_healed_candidate_that_misses_the_budget_falls_back_to_one_with_nothin
     assert len(chosen) == 1 and chosen[0]["structure"] == "dense"
     assert f["chosen_checked"]["ppl_ratio"] == 2.0 and "missed the budget" in f["why"]
     assert m["method"]["retain_requested"] == 1.0 and "heal" not in m
+
+
+def test_a_candidate_is_not_measured_where_a_more_intact_more_precise_one_is_over_already(monkeypatch):
+    """Cheap proxies first: once width 90% in 16-bit is over the budget, width 90% quantized and every
+    narrower width are not built; W4A16 of the dense model over it skips every pruned W4A16."""
+    measured = []
+
+    class Ref:
+        texts = {"text": None}
+
+        def quality(self, model):
+            return {"ppl_ratio": model["ratio"], "kl": 0.0, "texts": {}}
+
+    ratios = {("dense", "int8"): 1.01, ("dense", "w4a16"): 1.4, ("width", "none"): 1.3}
+
+    def build(job, retains):
+        return lambda retain: {"structure": "width", "retain": retain}
+
+    monkeypatch.setattr("optimizer.structured.Structured.searcher", staticmethod(build))
+
+    def fake_quantize(m, adapter, windows, cfg, log=None):
+        return {**m, "precision": cfg.precision}, None
+    monkeypatch.setattr(search.quantize, "quantize", fake_quantize)
+    monkeypatch.setattr(search.copy, "deepcopy", lambda m: dict(m))
+    real_quality = Ref.quality
+
+    def quality(self, m):
+        key = (m.get("structure", "dense"), m.get("precision", "none"))
+        measured.append((key, m.get("retain", 1.0)))
+        return real_quality(self, {"ratio": ratios.get(key, 1.5)})
+    monkeypatch.setattr(Ref, "quality", quality)
+    job = SimpleNamespace(model={}, adapter=None, calib=SimpleNamespace(train=[]), log=lambda *a: None,
+                          cfg=SimpleNamespace(data=SimpleNamespace(calib_windows=1), calib_dtype="auto", format="vllm"))
+    cands = [_cand(s, r, p, None, {"none": 1.0, "int8": 1.3, "w4a16": 1.5}[p] + 1 - r)
+             for s, r in (("dense", 1.0), ("width", 0.9), ("width", 0.8)) for p in ("none", "int8", "w4a16")]
+    for c in cands:
+        c.quality = {}
+    search.score(job, cands, Ref(), limit=1.05, heal=True)
+    assert [k for k in measured] == [(("dense", "int8"), 1.0), (("dense", "w4a16"), 1.0), (("width", "none"), 0.9)]
+    skipped = [c.label() for c in cands if c.skipped]
+    assert skipped == ["width 90%, INT8 W8A8", "width 90%, W4A16", "width 80%, 16-bit", "width 80%, INT8 W8A8",
+                       "width 80%, W4A16"]
+    chosen, why = search.choose(cands, search.Budget(0.05), heal=True)
+    assert chosen.label() == "no pruning, INT8 W8A8" and "Pruning 10% (width) costs +30.0% perplexity" in why
