@@ -72,7 +72,7 @@ def _search(cfg, target, source, adapter, hf_config, dry_run: bool, log: Callabl
         f"a pruned one is healed ({cfg.heal.tokens:,} tokens) and re-checked before it ships"
         if heal else f"search: {len(cands)} candidates (structure × precision) for {target.display_name}, "
         f"{budget.text()}; healing is off, so a pruned one is judged as it is")
-    log(search.table(cands, heal))
+    log(search.table([c.record(heal) for c in cands]))
     if dry_run:
         return {"plan": cands[0].plan, "dry_run": True, "candidates": cands}
     out = Path(cfg.out or f"out/{source.name}-{target.name}")

@@ -4,6 +4,7 @@ plan. The exporter adds its serving section (exporters/vllm.py, exporters/onnx.p
 from __future__ import annotations
 
 from core.manifest import Manifest
+from optimizer import search
 
 
 def _perplexity_line(q: dict | None) -> str:
@@ -121,20 +122,12 @@ def _search_lines(m: Manifest) -> list[str]:
     f = m.frontier
     if not f:
         return []
-    rows = ["| candidate | decode b1 | decode b16 | held-out ppl × dense | KL | expected × | s |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
-    for c in f["candidates"]:
-        p, q = c["predicted"], c["quality"]
-        measured = (f"{q['ppl_ratio']:.3f} | {q['kl']:.4f} | {c['expected_ppl_ratio']:.3f} | {c['seconds']:.0f}" if q
-                    else f"not scored: {c.get('skipped', '')} | — | — | —")
-        rows.append(f"| {c['label']}{' **(chosen)**' if c['chosen'] else ''} | {p['decode_speedup_b1']:.2f}x | "
-                    f"{p['decode_speedup_b16']:.2f}x | {measured} |")
     checked = f.get("chosen_checked")
     return ["", "## Search", "",
             f"Budget: {f['budget']['text']}. Held-out text: {f['held_out']}. Speeds are the target's roofline; "
             "\"expected\" is the measured ratio, for a pruned candidate with the share healing is predicted to win "
             "back" + (f" ({f['heal_recovery_predicted']:.0%} of the excess)" if f.get("heal_recovery_predicted") else "")
-            + ". `frontier.png` plots them.", "", *rows, "", f"Chosen: {f['why']}."
+            + ". `frontier.png` plots them.", "", search.table(f["candidates"]), "", f"Chosen: {f['why']}."
             + (f" Re-checked as shipped (healed, quantized): {checked['ppl_ratio']:.3f}× dense on the held-out text."
                if checked else "")]
 

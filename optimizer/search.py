@@ -179,16 +179,17 @@ def _precisions(cfg, target) -> list[str]:
     return ["none", *(q for q in ("fp8", "int8", "w4a16") if target.has_quant_kernel("vllm", version, q))]
 
 
-def table(cands: list[Candidate], heal: bool) -> str:
-    """The candidates as a table a person reads (the log, --dry-run, the report)."""
+def table(records: list[dict]) -> str:
+    """Candidates (their `record`s, as the manifest holds them) as a table a person reads: the log,
+    --dry-run and report.md."""
     rows = ["| candidate | decode b1 | decode b16 | held-out ppl × dense | KL | expected × | s |",
             "|---|---:|---:|---:|---:|---:|---:|"]
-    for c in cands:
-        q = c.quality
-        mark = " **(chosen)**" if c.chosen else ""
-        rows.append(f"| {c.label()}{mark} | {c.speedup_b1:.2f}x | {c.speedup_b16:.2f}x | "
-                    + (f"{q['ppl_ratio']:.3f} | {q['kl']:.4f} | {c.expected_ratio(heal):.3f} | {c.seconds:.0f} |"
-                       if q else f"not scored: {c.skipped} | — | — | — |" if c.skipped else "— | — | — | — |"))
+    for c in records:
+        p, q = c["predicted"], c["quality"]
+        measured = (f"{q['ppl_ratio']:.3f} | {q['kl']:.4f} | {c['expected_ppl_ratio']:.3f} | {c['seconds']:.0f}" if q
+                    else f"not scored: {c['skipped']} | — | — | —" if c.get("skipped") else "— | — | — | —")
+        rows.append(f"| {c['label']}{' **(chosen)**' if c['chosen'] else ''} | {p['decode_speedup_b1']:.2f}x | "
+                    f"{p['decode_speedup_b16']:.2f}x | {measured} |")
     return "\n".join(rows)
 
 
@@ -440,7 +441,7 @@ class Frontier:
         self.log(f"search: {len(self.cands)} candidates on {tokens:,} held-out tokens "
                  f"({' and '.join(self.reference.texts)}); {self.budget.text()}")
         score(job, self.cands, self.reference, 1 + self.budget.max_loss, self.heal)
-        self.log(f"search: scored in {time.time() - started:.0f} s\n{table(self.cands, self.heal)}")
+        self.log(f"search: scored in {time.time() - started:.0f} s\n{table([c.record(self.heal) for c in self.cands])}")
 
     def choose(self) -> Candidate:
         self.chosen, self.why = choose(self.cands, self.budget, self.heal)
