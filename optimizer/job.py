@@ -169,7 +169,9 @@ class Job:
             if frontier is None or frontier.recheck(model):
                 break
             # the healed candidate missed the budget: the best one with nothing removed instead
-            kind, heal = registry.kind_class(frontier.fall_back(self))(), False
+            instead = frontier.fall_back()
+            self.cfg, self.plan, heal = instead.cfg, instead.plan, False
+            kind = registry.kind_class(self.plan.kind)()
         quality = self.quality(model, unquantized_ppl)
         manifest = self.manifest(kind.describe(self, decision, model), quality, healed,
                                  quantized.section if quantized else None,

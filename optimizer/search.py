@@ -460,8 +460,8 @@ class Frontier:
                  f"({'within' if ok else 'over'} the budget)")
         return ok
 
-    def fall_back(self, job) -> str:
-        """Switch `job` to the best candidate with nothing removed; returns its kind."""
+    def fall_back(self) -> Candidate:
+        """The best candidate with nothing removed, chosen instead of the one that missed."""
         missed = self.chosen
         missed.chosen = False
         self.chosen = fallback(self.cands, self.budget)
@@ -470,8 +470,7 @@ class Frontier:
                     f"(held-out perplexity {_plus(self.checked['ppl_ratio'])}); the fastest candidate with nothing "
                     f"removed within it instead ({self.budget.text()})")
         self.log(f"chosen: {self.why}")
-        job.cfg, job.plan = self.chosen.cfg, self.chosen.plan
-        return job.plan.kind
+        return self.chosen
 
     def section(self) -> dict:
         return section(self.cands, self.budget, self.why, self.heal, self.checked)

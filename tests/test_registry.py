@@ -31,3 +31,13 @@ def test_the_planner_accepts_every_choice_and_resolves_it_to_a_registered_method
 def test_an_unknown_method_lists_the_registry_s_choices():
     with pytest.raises(UserError, match="choose from: auto, structured, semi-structured, activation"):
         planner.choose(load_profile("a100"), "prune-harder")
+
+
+def test_no_stage_or_kind_writes_into_the_job():
+    """The job collects what stages return; nothing outside optimizer/job.py assigns to it."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "optimizer"
+    writes = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p.name != "job.py"
+              for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bjob\.\w+(\[[^]]*\])? = ", line)]
+    assert writes == []
