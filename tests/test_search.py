@@ -217,3 +217,30 @@ def test_a_candidate_is_not_measured_where_a_more_intact_more_precise_one_is_ove
                        "width 80%, W4A16"]
     chosen, why = search.choose(cands, search.Budget(0.05), heal=True)
     assert chosen.label() == "no pruning, INT8 W8A8" and "Pruning 10% (width) costs +30.0% perplexity" in why
+
+
+@pytest.mark.parametrize("args, has, lacks", [
+    (["--target", "cpu"], ["| blocks 90%, INT8 W8A8 |", "| width 70%, 16-bit |"], ["FP8"]),
+    (["--target", "cpu", "--format", "onnx"], ["| width 90%, INT8 W8A8 |", "| no pruning, 16-bit |"], ["blocks", "W4A16"]),
+    (["--target", "a100", "--format", "onnx"], ["| width 80%, 16-bit |"], ["INT8", "blocks"]),
+    (["--target", "h100"], ["FP8 W8A8"], ["blocks"]),
+    (["--target", "a100", "--method", "depth"], ["| blocks 80%, INT8 W8A8 |"], ["width"]),
+    (["--target", "a100", "--quant", "int8"], ["| width 90%, INT8 W8A8 |"], ["16-bit", "W4A16"]),
+])
+def test_the_candidates_are_the_structures_and_precisions_the_target_serves(tokenizer, text_file, eval_file, tmp_path,
+                                                                           args, has, lacks):
+    """Whole blocks only where the target has a fixed cost per block (the cpu profile, vLLM); onnxruntime's
+    INT8 on the cpu target only; FP8 where the GPU has FP8 kernels; --method and --quant narrow the set."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import random_norms_and_biases, tiny_config
+    config = tiny_config("llama", vocab_size=len(tokenizer))
+    config.num_hidden_layers = 6  # blocks between the first and the last to remove
+    deep = tmp_path / "deep"
+    random_norms_and_biases(AutoModelForCausalLM.from_config(config)).save_pretrained(deep)
+    tokenizer.save_pretrained(deep)
+    common = [a for a in _common({"llama": deep}, text_file, eval_file) if a not in ("--target", "a100")]
+    r = _run([*common, *args, "--dry-run"], tmp_path)
+    assert r.exit_code == 0, r.output
+    table = r.output[r.output.index("| candidate |"):]
+    assert all(h in table for h in has) and not any(x in table for x in lacks), table
