@@ -86,6 +86,7 @@ def _common(tiny_dirs, text_file, eval_file):
             "--set", "data.seq_len=128", "--set", "data.calib_windows=2", "--set", "data.eval_windows=1"]
 
 
+@pytest.mark.slow
 def test_optimize_without_retain_searches_and_ships_the_chosen_candidate(tiny_dirs, text_file, eval_file, tmp_path):
     out = tmp_path / "pkg"
     r = _run([*_common(tiny_dirs, text_file, eval_file), "--max-loss", "50%", "--heal-tokens", "512", "--set", "heal.chat=0",
@@ -143,6 +144,7 @@ def test_bad_budgets_are_one_line_errors(tiny_dirs, text_file, eval_file, tmp_pa
     assert r.exit_code == 2 and "min_speedup must be > 0" in r.output
 
 
+@pytest.mark.slow
 def test_a_healed_candidate_that_misses_the_budget_falls_back_to_one_with_nothing_removed(
         tiny_dirs, text_file, eval_file, tmp_path, monkeypatch):
     """The re-check after healing and quantizing is the last word: here it is made to miss (every
