@@ -78,7 +78,8 @@ def _show_help_all(ctx, _param, value):
               help="List every setting with its type, default and help, then exit.")
 @one_line_errors
 def optimize(model, dry_run, no_heal, assignments, config_file, **options):
-    """Prune MODEL for a target GPU and write a vLLM-ready package.
+    """Make MODEL faster on a target GPU and write a package vLLM (or onnxruntime) serves: without
+    --retain, search pruning × precision for the fastest candidate within --max-loss.
 
     MODEL is a Hugging Face directory, a hub id, or a GGUF file; without it, the embedded
     SmolLM2-135M-Instruct is used.

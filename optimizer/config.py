@@ -184,7 +184,8 @@ class OptimizeConfig:
     layout: str = setting("uniform", "uniform: the same shape every layer (plain config) | per-layer (--method ddp): "
                                      "DeciLM or plugin package")
     format: str = setting("vllm", "vllm | onnx (with KV cache, for onnxruntime)")
-    out: str | None = setting(None, "package directory to create (must not exist); none: out/MODEL-TARGET-METHOD-LEVEL")
+    out: str | None = setting(None, "package directory to create (must not exist); none: out/MODEL-TARGET (a search), "
+                                    "else out/MODEL-TARGET-METHOD-LEVEL")
     engine_version: str | None = setting(None, "vLLM version the package will be served with; none: the installed "
                                                "one, else 0.32.0")
     calib_dtype: str = setting("auto", "precision of the one-shot calibration and DDP training passes (statistics, "
