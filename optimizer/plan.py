@@ -189,12 +189,13 @@ def choose(target: Profile, method: str, engine: str = "vllm", engine_version: s
     return plan
 
 
-def resolve(cfg, target: Profile, adapter, hf_config, fewer_blocks: bool = True) -> Plan:
+def resolve(cfg, target: Profile, adapter, hf_config, fewer_blocks: bool = True, chosen_by: str | None = None) -> Plan:
     """The plan, resolved once from the config, the target's profile and the model's config: the
     method and the kind of job that runs it, the precision, the reasons and the roofline prediction.
     Every refusal is made here, before any compute: the kind's own (`refuse` of its class in
     optimizer/registry.py) and the package format's. Returns it frozen. `fewer_blocks`: whether
-    `auto` may take whole blocks instead of narrower ones (the search scores both itself)."""
+    `auto` may take whole blocks instead of narrower ones (the search scores both itself); `chosen_by`:
+    who pinned the precision, where it was not the user (the search), for the reasons' wording."""
     from optimizer.adapters import MoEAdapter, onnx_families
     plan = choose(target, cfg.method, engine_version=cfg.engine_version, sparsity=cfg.sparsity)
     moe = isinstance(adapter, MoEAdapter)
@@ -204,6 +205,8 @@ def resolve(cfg, target: Profile, adapter, hf_config, fewer_blocks: bool = True)
     kind = registry.kind_class(plan.kind)
     kind.refuse(cfg, plan, adapter, hf_config)
     choose_quant(plan, cfg.quant, not_quantized=_not_quantized(cfg, plan, moe))
+    if chosen_by:
+        plan.quant_reason = plan.quant_reason.replace(f"--quant {cfg.quant} requested", chosen_by)
     if plan.quant == "w4a16" and target.kind != "cpu":  # the cpu target refuses shapes its kernel cannot take
         plan.quant_reason += _marlin_note(hf_config.hidden_size)
     if cfg.format == "onnx" and plan.quant == "int8":  # not vLLM's kernel table: onnxruntime's own INT8

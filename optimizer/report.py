@@ -148,7 +148,8 @@ def render(m: Manifest) -> str:
         f"achieved {meth['retain_achieved']:.3f}",
         f"- parameters: {size['params_dense']:,} → {size['params_pruned']:,} "
         f"(ideal speedup from bytes: {size['ideal_ratio']:.2f}x)",
-        f"- calibration: {meth['calibration']['source']}, {meth['calibration']['tokens']:,} tokens",
+        (f"- calibration: {meth['calibration']['source']}, {meth['calibration']['tokens']:,} tokens"
+         if meth["calibration"]["tokens"] else "- calibration: none needed (nothing removed)"),
         *([(f"- refit: the kept o_proj / down_proj columns were refitted by least squares on "
             f"{meth['refit']['tokens']:,} calibration tokens (ridge {meth['refit']['damp']:g})")
            if meth["refit"]["applied"] else
@@ -157,7 +158,8 @@ def render(m: Manifest) -> str:
           if "refit" in meth else []),
         *_quant_lines(m),
         "",
-        *(_blocks_lines(meth) if "blocks" in meth else _shape_lines(meth)),
+        *(_blocks_lines(meth) if "blocks" in meth else _shape_lines(meth) if size["params_pruned"] < size["params_dense"]
+          else ["Nothing was removed: every block keeps its dense shape."]),
     ]
     lines += ["", "## Quality", "", _perplexity_line(q), *_zeroshot_lines(m), *_heal_lines(m), *_search_lines(m)]
     lines += ["", "## Plan", "", "```", m.plan.text, "```", "",

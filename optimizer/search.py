@@ -155,7 +155,8 @@ def candidates(cfg, target, adapter, hf_config) -> list[Candidate]:
         for precision in precisions:
             pinned = dataclasses.replace(cfg, retain=retain, method=method, quant=precision)
             try:
-                plan = planner.resolve(pinned, target, adapter, hf_config, fewer_blocks=False)
+                plan = planner.resolve(pinned, target, adapter, hf_config, fewer_blocks=False,
+                                       chosen_by="the search's candidate")
             except UserError:
                 if not out:  # the dense model itself refused: the settings are, whatever the search
                     raise
