@@ -134,13 +134,14 @@ class Job:
         self.calibrate(search=bool(candidates))
         if main:
             self.evaluate_dense()      # before any method: semi-structured ones edit in place
-        # the heal data checked before minutes go to a search or a method
-        heal_files = self.heal_files() if self.cfg.heal.tokens > 0 and main else None
+        # the heal data checked before minutes go to a search or a method, where a heal may run: never
+        # where nothing is removed (the dense model, quantized or not)
+        removes = bool(candidates) or bool(self.plan.sparsity) or self.cfg.retain < 1
+        heal_files = self.heal_files() if self.cfg.heal.tokens > 0 and removes and main else None
         frontier = None
         if candidates:
             frontier = self.search(candidates, budget)
             kind = registry.kind_class(self.plan.kind)()
-        # nothing removed (the dense model, quantized or not): nothing to heal
         heal = self.cfg.heal.tokens > 0 and (bool(self.plan.sparsity) or self.cfg.retain < 1)
         teacher = heal_text = None
         if heal:
