@@ -95,15 +95,15 @@ def quantize(model, adapter, windows: torch.Tensor, cfg: QuantConfig,
     weight_bytes = quantized_bytes(model)
     grid = f"per group of {group} input columns" if group else "per output channel"
     section = {"precision": precision, "scheme": PRESETS[precision], "format": "compressed-tensors",
-                        "weights": f"symmetric absmax {grid}, {rounding}", "group_size": group,
-                        "smoothing": smoothing, "gptq": errors,
-                        "activations": "dynamic per token" if quantizes_activations(precision) else "16-bit",
-                        "linears": n, "ignore": IGNORE, "cpu_kernel_shape_misses": slow, "marlin_misses": marlin,
-                        "reason": cfg.reason, **weight_bytes, "wall_s": round(time.time() - started, 1)}
+               "weights": f"symmetric absmax {grid}, {rounding}", "group_size": group,
+               "smoothing": smoothing, "gptq": errors,
+               "activations": "dynamic per token" if quantizes_activations(precision) else "16-bit",
+               "linears": n, "ignore": IGNORE, "cpu_kernel_shape_misses": slow, "marlin_misses": marlin,
+               "reason": cfg.reason, **weight_bytes, "wall_s": round(time.time() - started, 1)}
     log(f"quantized: {n} Linear layers to {PRESETS[precision]}{f' (group {group})' if group else ''}, "
-            f"{f'smoothed (alpha {SMOOTH_ALPHA}), ' if smoothing else ''}{rounding} "
-            f"({weight_bytes['quantized_params']:,} weights, "
-            f"{weight_bytes['weight_bytes'] / 1e6:.0f} MB of weights against {weight_bytes['bf16_bytes'] / 1e6:.0f} MB in bf16)")
+        f"{f'smoothed (alpha {SMOOTH_ALPHA}), ' if smoothing else ''}{rounding} "
+        f"({weight_bytes['quantized_params']:,} weights, "
+        f"{weight_bytes['weight_bytes'] / 1e6:.0f} MB of weights against {weight_bytes['bf16_bytes'] / 1e6:.0f} MB in bf16)")
     return model, QuantReport(section)
 
 
@@ -304,20 +304,20 @@ def quantize_for_onnxruntime(model, adapter, windows, cfg: QuantConfig, log: Cal
     activations = "dynamic per tensor (uint8, asymmetric)" if form == "dynamic" else \
         f"static per tensor (int8, symmetric: absmax over {windows.numel():,} calibration tokens / 127)"
     section = {"precision": "int8", "scheme": ORT_INT8[form],
-                        "format": "onnx " + ("(onnxruntime.quantization.quantize_dynamic)" if form == "dynamic"
-                                             else "QDQ (onnxruntime.quantization.quantize_static)"),
-                        "weights": f"symmetric absmax per output channel on [-{m}, {m}], round to nearest"
-                                   + ("" if m == 127 else " (onnxruntime's reduce_range: this CPU has no VNNI)"),
-                        "group_size": None, "gptq": None,
-                        "smoothing": {"alpha": SMOOTH_ALPHA, "tokens": windows.numel(),
-                                      "points": "q/k/v, o, gate/up and down inputs"},
-                        "activations": activations, "linears": len(linears),
-                        "ignore": [*IGNORE, "down_proj"], "cpu_kernel_shape_misses": [], "reason": cfg.reason,
-                        # the package is an fp32 graph but for the int8 weights (and their fp32 scales)
-                        "quantized_params": quantized, "weight_bytes": quantized + 4 * (channels + params - quantized),
-                        "bytes_per_value": 4, "wall_s": round(time.time() - started, 1)}
+               "format": "onnx " + ("(onnxruntime.quantization.quantize_dynamic)" if form == "dynamic"
+                                    else "QDQ (onnxruntime.quantization.quantize_static)"),
+               "weights": f"symmetric absmax per output channel on [-{m}, {m}], round to nearest"
+                          + ("" if m == 127 else " (onnxruntime's reduce_range: this CPU has no VNNI)"),
+               "group_size": None, "gptq": None,
+               "smoothing": {"alpha": SMOOTH_ALPHA, "tokens": windows.numel(),
+                             "points": "q/k/v, o, gate/up and down inputs"},
+               "activations": activations, "linears": len(linears),
+               "ignore": [*IGNORE, "down_proj"], "cpu_kernel_shape_misses": [], "reason": cfg.reason,
+               # the package is an fp32 graph but for the int8 weights (and their fp32 scales)
+               "quantized_params": quantized, "weight_bytes": quantized + 4 * (channels + params - quantized),
+               "bytes_per_value": 4, "wall_s": round(time.time() - started, 1)}
     log(f"quantized: {len(linears)} Linear layers for onnxruntime's {form} INT8 (smoothed, round to nearest; "
-            f"{quantized:,} int8 weights" + ("" if m == 127 else "; 7-bit grid [-64, 64]: this CPU has no VNNI") + ")")
+        f"{quantized:,} int8 weights" + ("" if m == 127 else "; 7-bit grid [-64, 64]: this CPU has no VNNI") + ")")
     return model, QuantReport(section, int8)
 
 
