@@ -94,7 +94,7 @@ class HealSettings:
     data: list[str] | None = setting(None, "text files, or JSON records (.jsonl, .json) with `text` or chat `messages` "
                                            "(comma-separated); none: the calibration text (with the built-in corpus, "
                                            "its other samples too); never the evaluation text")
-    # None: AdamW 3e-4 (heal.OPTIMIZER_LR, bench/results/heal-select/)
+    # None: AdamW 3e-4 (methods/distill.OPTIMIZER_LR, bench/results/heal-select/)
     lr: float | None = setting(None, "peak learning rate, a cosine to a thirtieth of it; none: the optimizer's "
                                      "(AdamW 3e-4; lean memory's Adafactor 1e-2, relative to each weight's size)")
     memory: str = setting("fast", "fast: AdamW, activations kept | lean: Adafactor, activations recomputed per block "
