@@ -4,22 +4,25 @@ held-out KL to the dense model fell.
     heal(student, teacher, text, settings, ...) -> (student, HealReport)
 
 Weights change; shapes and held zeros never do. The algorithm is `methods/distill.py`
-(`Distillation`), the text `heal_data.py`; this module adds what makes it safe to run unattended:
-a retry at a lower peak learning rate where the default one raised the held-out KL, the unhealed
-weights put back where no attempt lowered it, checkpoints and resume (`training.Trainer`), and the
-account the manifest carries. Student and teacher train on `settings.device` and come back to the
-CPU, where the stages after this one expect them.
+(`Distillation`), the text `heal_data.py`; this module adds what makes it safe to run unattended
+on a model nobody tuned it for: a peak learning rate scaled to the student's weights, a short probe
+of that rate and a lower one that picks the rate (or skips a heal that would not pay), the unhealed
+weights put back where the heal raised the held-out KL, checkpoints and resume
+(`training.Trainer`), and the account the manifest carries. Student and teacher train on
+`settings.device` and come back to the CPU, where the stages after this one expect them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from optimizer import distributed
 from optimizer.config import HealSettings
@@ -27,10 +30,21 @@ from optimizer.heal_data import HealText, chat_check
 from optimizer.methods.distill import OPTIMIZER_LR, Distillation, HealConfig, kd_eval, zero_masks
 from optimizer.resources import peak_rss_gib
 from optimizer.sequential import calibration_dtype
+from optimizer.training import batch_indices, stop_if_terminated
 
-# A heal at the default peak that raises the held-out KL is retried once at peak / this (Gemma-3-270M
-# at retain 0.7: 3e-4 raised it, 1e-4 lowered it; bench/results/heal-select/2026-12-04-gemma-lr).
-RETRY_LR_DIVISOR = 3
+# AdamW moves every weight by about its learning rate a step, whatever the weight's size, so a rate
+# selected on one model is too high for a model with smaller weights: the default peak (3e-4, selected
+# on SmolLM2-135M, whose blocks' linear weights have a median RMS of 0.19) is scaled by the student's
+# own median RMS (Gemma-3-270M's is 0.040: 6.2e-5, where 3e-4 raised its held-out KL and 1e-4 lowered
+# it; bench/results/heal-select/2026-12-04-gemma-lr). Adafactor's step is relative already.
+REFERENCE_WEIGHT_RMS = 0.19
+# Before the full heal, each of these multiples of that peak heals a short whole schedule (a cosine
+# over PROBE_SHARE of the steps) from the unhealed weights; the one that lowers the held-out KL most
+# heals in full, and where none lowers it the heal is skipped: the budget is spent only where the
+# probe says it pays.
+PROBE_PEAKS = (1.0, 1 / 3)
+PROBE_SHARE = 1 / 8
+MIN_PROBE_STEPS, MAX_PROBE_STEPS = 4, 64  # a probe finds an unstable rate, not the heal's full gain
 
 
 @dataclass
@@ -60,6 +74,9 @@ class HealReport:
     resumed_from_step: int
     final: dict
     checkpoint: str
+    peak_rule: str = ""           # how the peak learning rate was set
+    probe: list[dict] = field(default_factory=list)    # the learning-rate probe: one record a rate
+    skipped_by_probe: bool = False  # no probed rate lowered the held-out KL: nothing trained
     chat: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -99,6 +116,27 @@ def heal(student, teacher, text: HealText | None, s: HealSettings, *, held_out: 
         teacher.to("cpu")
 
 
+def median_weight_rms(params: dict[str, torch.Tensor]) -> float:
+    """The median RMS of the trained matrices (the blocks' linear weights; norms are vectors)."""
+    rms = sorted(float(p.detach().float().pow(2).mean().sqrt()) for p in params.values() if p.dim() == 2)
+    return rms[len(rms) // 2] if rms else REFERENCE_WEIGHT_RMS
+
+
+def _kl_or_inf(kl: float) -> float:
+    """A diverged heal's NaN KL, ranked last."""
+    return float("inf") if math.isnan(kl) else kl
+
+
+def default_peak(optimizer: str, params: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """This student's default peak learning rate, and how it was set (in the report's words)."""
+    lr, _ = OPTIMIZER_LR[optimizer]
+    if optimizer != "adamw":
+        return lr, f"{optimizer}'s default, relative to each weight's size"
+    rms = median_weight_rms(params)
+    return float(f"{lr * rms / REFERENCE_WEIGHT_RMS:.2g}"), \
+        f"{lr:g} × the weights' median RMS {rms:.3f} / {REFERENCE_WEIGHT_RMS:g}"
+
+
 def _heal(student, teacher, text, s: HealSettings, device, *, held_out, trainer, checkpoint, adapter, tok,
           hold_zeros, seed, calib_dtype, log):
     main, world = distributed.is_main(), distributed.rank_world()[1]
@@ -109,9 +147,6 @@ def _heal(student, teacher, text, s: HealSettings, device, *, held_out, trainer,
     steps = max(1, s.tokens // (batch * seq))
     optimizer = "adafactor" if s.memory == "lean" else "adamw"
     lr, lr_end = OPTIMIZER_LR[optimizer]
-    # the default peak, then once RETRY_LR_DIVISOR times lower if that raised the held-out KL (a
-    # --heal-lr is tried alone): bench/results/heal-select/2026-12-04-gemma-lr
-    peaks = [s.lr] if s.lr is not None else [lr, lr / RETRY_LR_DIVISOR]
     dtype = str(calibration_dtype(calib_dtype, device)).removeprefix("torch.")
     keep = zero_masks(student, adapter) if hold_zeros else None
     held_out = held_out[:, :1024]
@@ -120,22 +155,62 @@ def _heal(student, teacher, text, s: HealSettings, device, *, held_out, trainer,
     # the heal text's content, not only its description: the teacher's sampled chat answers
     # can differ between machines and thread counts, and a checkpoint must be of this very data
     data_digest = hashlib.sha256(chunks.numpy().tobytes()).hexdigest()[:16]
-    attempts = []
-    for peak in peaks:
-        time_left = None if s.time_s is None else s.time_s - (time.time() - started)
-        time_left = distributed.broadcast_object(time_left)  # rank 0's clock: every rank retries or none
-        if attempts and time_left is not None and time_left <= 0:
-            break
-        if attempts:
-            log(f"trying a lower learning rate: {peak:.1e}")
-        hcfg = HealConfig(steps=steps, lr=peak, lr_end=peak * lr_end / lr, seed=seed, dtype=dtype,
+
+    def distillation(peak: float, n_steps: int) -> Distillation:
+        hcfg = HealConfig(steps=n_steps, lr=peak, lr_end=peak * lr_end / lr, seed=seed, dtype=dtype,
                           optimizer=optimizer, checkpointing=s.memory == "lean")
-        distil = Distillation(student, teacher, hcfg, keep, blocks=adapter.blocks(student))
-        ckpt = checkpoint("heal", [vars(hcfg), seq, batch, source, distil.start_digest, data_digest])
-        if not attempts:  # the unhealed weights, on the CPU (the size of the student's blocks): a
-            # heal that makes the held-out KL worse is not shipped
-            unhealed = {n: p.detach().to("cpu", copy=True) for n, p in distil.params.items()}
-        run = trainer.train(distil, chunks, steps, batch, ckpt, "healing" if not attempts else f"healing at lr {peak:.0e}",
+        return Distillation(student, teacher, hcfg, keep, blocks=adapter.blocks(student))
+
+    distil = distillation(lr, steps)  # (its parameters: what trains)
+    # the unhealed weights, on the CPU (the size of the student's blocks): a heal that makes the
+    # held-out KL worse is not shipped, and every probe starts from them
+    unhealed = {n: p.detach().to("cpu", copy=True) for n, p in distil.params.items()}
+    distil.close()
+
+    def restore() -> None:
+        with torch.no_grad():
+            for n, p in distil.params.items():
+                p.copy_(unhealed[n])
+
+    if s.lr is not None:
+        peak, peak_rule = s.lr, "heal.lr"
+    else:
+        peak, peak_rule = default_peak(optimizer, distil.params)
+    probe_steps = min(MAX_PROBE_STEPS, max(MIN_PROBE_STEPS, round(steps * PROBE_SHARE)))
+    # under a time cap, the probes share its PROBE_SHARE (a probe it stops compares fewer steps)
+    probe_time = None if s.time_s is None else s.time_s * PROBE_SHARE / len(PROBE_PEAKS)
+    probes = []
+    if s.lr is None and steps >= 2 * probe_steps:  # a rate the user set is not probed
+        for multiple in PROBE_PEAKS:
+            rate = float(f"{peak * multiple:.2g}")
+            probe = distillation(rate, probe_steps)
+            t0 = time.time()
+            for k in tqdm(range(probe_steps), desc=f"probing lr {rate:.1e}", unit="step", disable=not main):
+                probe.step(chunks[batch_indices(len(chunks), batch, k, seed)])
+                stop_if_terminated()  # nothing to checkpoint: a resumed run probes again (seeded)
+                if probe_time is not None and distributed.all_agree(time.time() - t0 >= probe_time):
+                    break
+            probe.close()
+            probes.append({"lr": rate, "steps": probe.step_count, "held_out_kd": kd_eval(student, teacher, held_out),
+                           "wall_s": round(time.time() - t0, 1)})
+            restore()
+        best = min(probes, key=lambda p: _kl_or_inf(p["held_out_kd"]))
+        peak = distributed.broadcast_object(best["lr"])  # rank 0's choice
+        log("learning-rate probe, held-out KL to the dense model " + f"{before['held_out_kd']:.4f} unhealed: " +
+            ", ".join(f"{p['held_out_kd']:.4f} at {p['lr']:.1e}" for p in probes) + f" ({probe_steps} steps each)")
+    attempts, run = [], {"final": {}, "resumed_from_step": 0, "checkpoint": ""}
+    skipped = bool(probes) and distributed.all_agree(not _kl_or_inf(best["held_out_kd"]) < before["held_out_kd"])
+    if skipped:
+        log(f"no probed learning rate lowered the held-out KL in {probe_steps} steps: healing skipped, the "
+            "package keeps the unhealed weights (--set heal.lr=RATE heals at a rate of your choice)")
+        after, kept_unhealed, done = dict(before), True, 0
+        distil = distillation(peak, steps)  # (its configuration and memory, for the report)
+        distil.close()
+    else:
+        time_left = None if s.time_s is None else s.time_s - (time.time() - started)
+        distil = distillation(peak, steps)
+        ckpt = checkpoint("heal", [vars(distil.cfg), seq, batch, source, distil.start_digest, data_digest])
+        run = trainer.train(distil, chunks, steps, batch, ckpt, "healing",
                             lambda st: {"kd": f"{st['kd']:.3f}", "lr": f"{st['lr']:.1e}"}, max_time_s=time_left)
         distil.close()
         done = distil.step_count
@@ -144,26 +219,23 @@ def _heal(student, teacher, text, s: HealSettings, device, *, held_out, trainer,
         log(f"healed at lr {peak:.1e}: {done} steps, {done * batch * seq:,} tokens of {source} in "
             f"{run['wall_s']:.0f} s; held-out KL to the dense model {before['held_out_kd']:.4f} → "
             f"{after['held_out_kd']:.4f}")
-        kept_unhealed = distributed.all_agree(after["held_out_kd"] > before["held_out_kd"])  # every rank alike
-        if not kept_unhealed:
-            break
-        with torch.no_grad():
-            for n, p in distil.params.items():
-                p.copy_(unhealed[n])
-        log(f"healing at lr {peak:.1e} made the held-out KL worse: back to the unhealed weights")
+        # every rank alike; a NaN (a diverged heal) is worse too
+        kept_unhealed = distributed.all_agree(not after["held_out_kd"] <= before["held_out_kd"])
+        if kept_unhealed:
+            restore()
+            log("healing made the held-out KL worse: the package keeps the unhealed weights (another heal.lr "
+                "or other heal.data may heal this model)")
     if world > 1:
         log(f"healed on {world} processes, {batch // world} sequence(s) each a step")
-    if kept_unhealed:
-        log("healing made the held-out KL worse: the package keeps the unhealed weights (a lower heal.lr "
-            "or other heal.data may heal this model)")
     del unhealed
     report = HealReport(
         data=source, tokens_requested=s.tokens, tokens=done * batch * seq, steps=done, steps_planned=steps,
-        seq_len=seq, batch=batch, processes=world, time_cap_s=s.time_s, stopped_by_time=done < steps,
-        kept_unhealed=kept_unhealed, config=vars(hcfg), attempts=attempts, zeros_held=len(keep or {}),
+        seq_len=seq, batch=batch, processes=world, time_cap_s=s.time_s, stopped_by_time=0 < done < steps,
+        kept_unhealed=kept_unhealed, config=vars(distil.cfg), attempts=attempts, zeros_held=len(keep or {}),
         before=before, after=after, memory_bytes=distil.state_bytes(), peak_rss_gib=round(peak_rss_gib(), 2),
         device=str(device),
         peak_device_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         wall_s=round(time.time() - started, 1), resumed_from_step=run["resumed_from_step"], final=run["final"],
-        checkpoint=run["checkpoint"], chat=chat_check(teacher, student, tok) if main else [])
+        checkpoint=run["checkpoint"], peak_rule=peak_rule, probe=probes, skipped_by_probe=skipped,
+        chat=chat_check(teacher, student, tok) if main else [])
     return student, report

@@ -69,11 +69,16 @@ def _heal_lines(m: Manifest) -> list[str]:
              + (", stopped by the time cap" if h["stopped_by_time"] else "") + ").",
              f"KL to the dense model on the held-out calibration window: {b['held_out_kd']:.4f} before, "
              f"{a['held_out_kd']:.4f} after."]
-    for tried in h.get("attempts", [])[:-1]:  # default-lr heals that raised the KL, retried lower
-        lines.append(f"Healing at lr {tried['lr']:.0e} raised that KL to {tried['held_out_kd']:.4f}; it was undone "
-                     f"and retried at lr {h['attempts'][-1]['lr']:.0e}.")
-    if h.get("kept_unhealed"):
-        lines.append("**Healing made that KL worse, so the package keeps the unhealed weights** (try a lower "
+    if h.get("probe"):
+        lines.append(f"Peak learning rate {h['config']['lr']:.1e}, chosen by healing {h['probe'][0]['steps']} steps at each "
+                     "probed rate from the unhealed weights (held-out KL after each: "
+                     + ", ".join(f"{p['held_out_kd']:.4f} at {p['lr']:.1e}" for p in h["probe"])
+                     + f"); the probe's peak: {h['peak_rule']}.")
+    if h.get("skipped_by_probe"):
+        lines.append("**No probed rate lowered that KL, so nothing was healed: the package keeps the unhealed "
+                     "weights** (`--set heal.lr=RATE` heals at a rate of your choice).")
+    elif h.get("kept_unhealed"):
+        lines.append("**Healing made that KL worse, so the package keeps the unhealed weights** (try another "
                      "`heal.lr` or other `heal.data`).")
     if q and "perplexity" in b and not h.get("kept_unhealed"):
         healed = q.get("pruned_unquantized", q["pruned"])  # the package's, where nothing was quantized

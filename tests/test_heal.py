@@ -225,8 +225,9 @@ def test_optimize_heals_and_reports_it(tiny_dirs, text_file, tmp_path):
     assert h["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # --heal-device auto
     assert "perplexity" in h["before"] and h["before"]["perplexity"] != m["quality"]["perplexity"]["pruned"]
     assert h["memory_bytes"]["optimizer_state"] == 2 * h["memory_bytes"]["weights"]  # AdamW's two moments
-    assert h["config"]["optimizer"] == "adamw" and h["config"]["lr"] == 3e-4 and h["config"]["lr_end"] == 1e-5
-    assert "AdamW at 0.0003" in (out / "report.md").read_text()
+    assert h["config"]["optimizer"] == "adamw" and h["config"]["lr_end"] == pytest.approx(h["config"]["lr"] / 30)
+    assert "median RMS" in h["peak_rule"] and h["probe"] == []  # 4 steps: too few to probe
+    assert f"AdamW at {h['config']['lr']:g}" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow
@@ -242,23 +243,67 @@ def test_a_heal_that_makes_the_held_out_kl_worse_is_not_shipped(tiny_dirs, text_
     assert "keeps the unhealed weights" in (out / "report.md").read_text()
 
 
-@pytest.mark.slow
-def test_a_default_heal_that_makes_the_held_out_kl_worse_is_retried_at_a_lower_learning_rate(tiny_dirs, text_file,
-                                                                                              tmp_path, monkeypatch):
-    """Without --heal-lr, a wrecking peak (here 1.0) is undone and the heal runs again at
-    peak / RETRY_LR_DIVISOR (here 1e-4), which heals; the manifest and report list both."""
+def _heal_directly(tmp_path, monkeypatch, multiples, tokens=16 * 64, **settings):
+    """heal.heal on a pruned tiny LLaMA with PROBE_PEAKS = `multiples` of the default peak (which the
+    tests make AdamW's 3e-3: the tiny model heals at it in a few steps); (student, unhealed, report)."""
     from optimizer import heal
-    monkeypatch.setitem(heal.OPTIMIZER_LR, "adamw", (1.0, 1.0 / 30))
-    monkeypatch.setattr(heal, "RETRY_LR_DIVISOR", 1e4)
-    r, out = _heal_tiny_llama(tiny_dirs, text_file, tmp_path, "--heal-tokens", "1024")
-    assert "trying a lower learning rate" in r.output and "keeps the unhealed weights" not in r.output
-    h = json.loads((out / "manifest.json").read_text())["heal"]
-    first, second = h["attempts"]
-    assert first["lr"] == 1.0 and first["held_out_kd"] > h["before"]["held_out_kd"]
-    assert second["lr"] == pytest.approx(1e-4) and h["after"]["held_out_kd"] == second["held_out_kd"]
-    assert not h["kept_unhealed"] and second["held_out_kd"] < h["before"]["held_out_kd"]
-    assert h["config"]["lr"] == pytest.approx(1e-4) and h["config"]["lr_end"] == pytest.approx(1e-4 / 30)
-    assert "retried at lr 1e-04" in (out / "report.md").read_text()
+    from optimizer.heal_data import HealText
+    from optimizer.training import Trainer
+    monkeypatch.setitem(heal.OPTIMIZER_LR, "adamw", (3e-3, 3e-4))
+    monkeypatch.setattr(heal, "REFERENCE_WEIGHT_RMS", None)  # set below: the tiny model's own RMS
+    teacher = tiny_model("llama")
+    student = _pruned(teacher)
+    monkeypatch.setattr(heal, "REFERENCE_WEIGHT_RMS", heal.median_weight_rms(dict(student.named_parameters())))
+    monkeypatch.setattr(heal, "PROBE_PEAKS", multiples)
+    train = _data(teacher, 4, 64).repeat(4, 1)  # repeated: held-out windows share its statistics
+    unhealed = copy.deepcopy(student.state_dict())
+    s = HealSettings(tokens=tokens, **settings)
+    student, report = heal.heal(student, teacher, HealText(train, "test text"), s, held_out=train[:2, :48].clone(),
+                                trainer=Trainer(log=lambda *a: None), checkpoint=lambda kind, run: tmp_path / "c.pt",
+                                adapter=get_adapter(teacher.config), tok=None, log=lambda *a: None)
+    return student, unhealed, report
+
+
+def test_the_default_peak_is_scaled_to_the_students_weights():
+    from optimizer.heal import REFERENCE_WEIGHT_RMS, default_peak
+    weights = lambda rms: {"w": torch.full((8, 8), rms), "norm": torch.full((8,), 5.0)}  # noqa: E731 (vectors ignored)
+    assert default_peak("adamw", weights(REFERENCE_WEIGHT_RMS))[0] == 3e-4  # the model it was selected on
+    assert default_peak("adamw", weights(0.0395))[0] == pytest.approx(6.2e-5)  # Gemma-3-270M's median RMS
+    assert default_peak("adafactor", weights(0.0395))[0] == 1e-2  # relative to each weight already
+
+
+def test_the_probe_picks_the_rate_that_heals_and_the_full_heal_runs_at_it(tmp_path, monkeypatch):
+    """Of a wrecking rate (1e4 × the peak) and a healing one (the peak), the probe picks the second."""
+    student, _, r = _heal_directly(tmp_path, monkeypatch, (1e4, 1.0))
+    wreck, good = r.probe
+    assert wreck["lr"] == pytest.approx(30.0) and good["lr"] == pytest.approx(3e-3)
+    assert wreck["steps"] == good["steps"] == heal_probe_steps(r.steps_planned)
+    assert not wreck["held_out_kd"] <= r.before["held_out_kd"]  # (diverged: NaN)
+    assert good["held_out_kd"] < r.before["held_out_kd"]
+    assert r.config["lr"] == pytest.approx(3e-3) and [a["lr"] for a in r.attempts] == [pytest.approx(3e-3)]
+    assert r.steps == r.steps_planned and not r.kept_unhealed and not r.skipped_by_probe
+    assert r.after["held_out_kd"] < r.before["held_out_kd"]
+    assert "median RMS" in r.peak_rule
+
+
+def test_a_heal_no_probed_rate_pays_for_is_skipped(tmp_path, monkeypatch):
+    """Both probed rates wreck the student: nothing trains beyond the probe, the weights are the unhealed ones."""
+    student, unhealed, r = _heal_directly(tmp_path, monkeypatch, (1e4, 3e4))
+    assert r.skipped_by_probe and r.kept_unhealed and r.steps == 0 and r.attempts == []
+    assert not any(p["held_out_kd"] <= r.before["held_out_kd"] for p in r.probe)  # worse, or NaN
+    assert r.after == r.before and not (tmp_path / "c.pt").exists()  # no checkpoint: nothing to resume
+    for n, t in student.state_dict().items():
+        assert torch.equal(t, unhealed[n]), n
+
+
+def test_a_rate_the_user_sets_is_not_probed(tmp_path, monkeypatch):
+    _, _, r = _heal_directly(tmp_path, monkeypatch, (1e4, 1.0), lr=3e-3)
+    assert r.probe == [] and r.peak_rule == "heal.lr" and r.config["lr"] == 3e-3
+
+
+def heal_probe_steps(steps: int) -> int:
+    from optimizer.heal import MAX_PROBE_STEPS, MIN_PROBE_STEPS, PROBE_SHARE
+    return min(MAX_PROBE_STEPS, max(MIN_PROBE_STEPS, round(steps * PROBE_SHARE)))
 
 
 @pytest.mark.slow
