@@ -192,8 +192,8 @@ class OptimizeConfig:
                                        "gates, losses stay fp32): auto (bf16 where native) | float32 | bfloat16")
     seed: int = setting(0, "seed of every random choice")
     threads: int | None = setting(None, "torch CPU threads; none: torch's choice")
-    resume: bool = setting(False, "continue an interrupted DDP, RoI or heal training from its checkpoint (keyed by "
-                                  "content: the same command)")
+    resume: bool = setting(False, "continue an interrupted search, DDP, RoI or heal training from its checkpoint "
+                                  "(keyed by content: the same command)")
     quant: str = setting("auto", "auto (the precision the target's tensor cores and the engine's kernels accelerate: "
                                  "`profiles`) | int8 (W8A8) | fp8 (W8A8, E4M3) | w4a16 (4-bit weights; never auto) | "
                                  "none")

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -269,13 +272,16 @@ class Reference:
 PRECISION_RANK = {"none": 0, "fp8": 1, "int8": 1, "w4a16": 2}
 
 
-def score(job, cands: list[Candidate], reference: Reference, limit: float | None = None, heal: bool = True) -> None:
+def score(job, cands: list[Candidate], reference: Reference, limit: float | None = None, heal: bool = True,
+          scored: dict | None = None, save: Callable[[Candidate], None] = lambda c: None) -> None:
     """Build, quantize and measure the candidates (their `quality` and `seconds` filled in), most
     intact and most precise first. One calibration pass: the width statistics and the block
     influence are observed once (on first use) and every retain decides from them; one pruned model
     and one quantized copy exist at a time. With `limit` (1 + max_loss), a candidate is not measured
     where a more intact, more precise one was already expected over it: pruning more or quantizing
-    harder does not win loss back (cheap proxies first, the real measure where it can matter)."""
+    harder does not win loss back (cheap proxies first, the real measure where it can matter).
+    `scored`: {label: {"quality", "seconds"}} measured by an interrupted run of the same search (not
+    built again); `save(c)` is called after each candidate measured."""
     from optimizer.depth import Depth
     from optimizer.structured import Structured
     model, adapter = job.model, job.adapter
@@ -293,6 +299,13 @@ def score(job, cands: list[Candidate], reference: Reference, limit: float | None
                                and PRECISION_RANK[o.precision] <= PRECISION_RANK[c.precision]), None)
             if worse_than is not None:
                 c.skipped = f"{worse_than.label()} is over the budget already"
+                continue
+            if c.label() in (scored or {}):  # measured before an interruption: --resume
+                c.quality, c.seconds = scored[c.label()]["quality"], scored[c.label()]["seconds"]
+                job.log(f"candidate {c.label()}: held-out perplexity {c.quality['ppl_ratio']:.3f}x dense (scored "
+                        "before the interruption)")
+                if limit is not None and c.expected_ratio(heal) > limit:
+                    over.append(c)
                 continue
             started = time.time()
             if pruned is None:  # built once for this structure's precisions
@@ -321,6 +334,7 @@ def score(job, cands: list[Candidate], reference: Reference, limit: float | None
                 del m
             c.seconds = round(time.time() - started + built_s, 1)
             built_s = 0.0  # the build counts to the first candidate measured on it
+            save(c)
             job.log(f"candidate {c.label()}: held-out perplexity {c.quality['ppl_ratio']:.3f}x dense, "
                     f"KL {c.quality['kl']:.4f}; predicted {c.speedup_b16:.2f}x at batch 16 ({c.seconds:.0f} s)")
             if limit is not None and c.expected_ratio(heal) > limit:
@@ -441,7 +455,26 @@ class Frontier:
         tokens = sum(int(w.numel()) for w in self.reference.texts.values())
         self.log(f"search: {len(self.cands)} candidates on {tokens:,} held-out tokens "
                  f"({' and '.join(self.reference.texts)}); {self.budget.text()}")
-        score(job, self.cands, self.reference, 1 + self.budget.max_loss, self.heal)
+        # each measured candidate is recorded as the search goes, so that a killed search resumes
+        # (--resume) without measuring it again; keyed by the candidates, the budget, the held-out text
+        # (and, through job.checkpoint, the model and the calibration text); removed with the
+        # training checkpoints once the package is in place
+        digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in self.reference.texts.values())).hexdigest()
+        path = job.checkpoint("search", [[c.label() for c in self.cands], self.budget.max_loss, self.heal, digest,
+                                         job.cfg.seed, job.cfg.data.calib_windows]).with_suffix(".json")
+        scored = json.loads(path.read_text()) if job.cfg.resume and path.is_file() else {}
+        if job.cfg.resume:
+            self.log(f"--resume: {len(scored)} candidates scored before the interruption" if scored
+                     else f"--resume: no search of this exact run at {path}; scoring every candidate")
+        job.trainer.written.append(path)
+
+        def save(c: Candidate) -> None:
+            scored[c.label()] = {"quality": c.quality, "seconds": c.seconds}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(scored))
+            tmp.replace(path)
+        score(job, self.cands, self.reference, 1 + self.budget.max_loss, self.heal, scored, save)
         self.log(f"search: scored in {time.time() - started:.0f} s\n{table([c.record(self.heal) for c in self.cands])}")
 
     def choose(self) -> Candidate:

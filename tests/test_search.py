@@ -246,3 +246,40 @@ def test_the_candidates_are_the_structures_and_precisions_the_target_serves(toke
     assert r.exit_code == 0, r.output
     table = r.output[r.output.index("| candidate |"):]
     assert all(h in table for h in has) and not any(x in table for x in lacks), table
+
+
+@pytest.mark.slow
+def test_a_killed_search_resumes_without_measuring_again_and_chooses_the_same(tiny_dirs, text_file, eval_file,
+                                                                               tmp_path, monkeypatch):
+    """SIGTERM (here: Terminated raised) after the third candidate measured; `--resume` takes the three
+    from the search's record, measures the rest, ships the same choice as an uninterrupted run, and
+    leaves no record behind."""
+    from core.errors import Terminated
+    monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
+    args = [*_common(tiny_dirs, text_file, eval_file), "--no-heal", "--max-loss", "50%"]
+    whole = tmp_path / "whole"
+    assert _run([*args, "-o", whole], tmp_path).exit_code == 0
+    expected = json.loads((whole / "manifest.json").read_text())["frontier"]
+
+    real_quality, measured = search.Reference.quality, []
+
+    def quality(self, model):
+        if len(measured) == 3:
+            raise Terminated("SIGTERM")
+        measured.append(True)
+        return real_quality(self, model)
+    monkeypatch.setattr(search.Reference, "quality", quality)
+    out = tmp_path / "pkg"
+    assert _run([*args, "-o", out], tmp_path).exit_code != 0 and not out.exists()
+    monkeypatch.setattr(search.Reference, "quality", real_quality)
+    records = list((tmp_path / "cache" / "runs").glob("search-*.json"))
+    assert len(records) == 1 and len(json.loads(records[0].read_text())) == 4  # and the dense model, unmeasured
+
+    r = _run([*args, "--resume", "-o", out], tmp_path)
+    assert r.exit_code == 0, r.output
+    assert r.output.count("(scored before the interruption)") == 4
+    f = json.loads((out / "manifest.json").read_text())["frontier"]
+    assert [c["label"] for c in f["candidates"] if c["chosen"]] == [c["label"] for c in expected["candidates"]
+                                                                   if c["chosen"]]
+    assert [c["quality"] for c in f["candidates"]] == [c["quality"] for c in expected["candidates"]]
+    assert not records[0].exists()
