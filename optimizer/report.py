@@ -61,17 +61,21 @@ def _heal_lines(m: Manifest) -> list[str]:
         return []
     q = m.perplexity
     b, a = h["before"], h["after"]
-    lines = ["", "## Healing", "",
-             f"Distilled from the dense model on {h['data']}: {h['tokens']:,} tokens in {h['steps']} steps "
-             f"({h['wall_s']:.0f} s, peak {h['peak_rss_gib']:.1f} GiB resident; {_recipe(h['config'])}"
-             + (f"; {h['processes']} processes, {h['batch'] // h['processes']} sequence(s) each a step"
-                if h.get("processes", 1) > 1 else "")
-             + (", stopped by the time cap" if h["stopped_by_time"] else "") + ").",
-             f"KL to the dense model on the held-out calibration window: {b['held_out_kd']:.4f} before, "
-             f"{a['held_out_kd']:.4f} after."]
+    lines = ["", "## Healing", ""]
+    if h.get("skipped_by_probe"):
+        lines += [f"Not distilled: a probe of the learning rate on {h['data']} lowered no held-out KL "
+                  f"({h['wall_s']:.0f} s)."]
+    else:
+        lines += [f"Distilled from the dense model on {h['data']}: {h['tokens']:,} tokens in {h['steps']} steps "
+                  f"({h['wall_s']:.0f} s, peak {h['peak_rss_gib']:.1f} GiB resident; {_recipe(h['config'])}"
+                  + (f"; {h['processes']} processes, {h['batch'] // h['processes']} sequence(s) each a step"
+                     if h.get("processes", 1) > 1 else "")
+                  + (", stopped by the time cap" if h["stopped_by_time"] else "") + ")."]
+    lines.append(f"KL to the dense model on the held-out calibration window: {b['held_out_kd']:.4f} before, "
+                 f"{a['held_out_kd']:.4f} after.")
     if h.get("probe"):
-        lines.append(f"Peak learning rate {h['config']['lr']:.1e}, chosen by healing {h['probe'][0]['steps']} steps at each "
-                     "probed rate from the unhealed weights (held-out KL after each: "
+        lines.append(f"Peak learning rate {h['config']['lr']:.1e}, chosen by healing {h['probe'][0]['steps']} steps "
+                     "at each probed rate from the unhealed weights (held-out KL after each: "
                      + ", ".join(f"{p['held_out_kd']:.4f} at {p['lr']:.1e}" for p in h["probe"])
                      + f"); the probe's peak: {h['peak_rule']}.")
     if h.get("skipped_by_probe"):

@@ -296,6 +296,16 @@ def test_a_heal_no_probed_rate_pays_for_is_skipped(tmp_path, monkeypatch):
         assert torch.equal(t, unhealed[n]), n
 
 
+def test_the_report_says_what_the_probe_chose_and_when_it_skipped_the_heal(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+    from optimizer.report import _heal_lines
+    for multiples, says in (((1e4, 1.0), "Peak learning rate 3.0e-03, chosen by healing 4 steps"),
+                            ((1e4, 3e4), "Not distilled: a probe of the learning rate")):
+        _, _, r = _heal_directly(tmp_path, monkeypatch, multiples)
+        text = "\n".join(_heal_lines(SimpleNamespace(heal=r.as_dict(), perplexity={})))
+        assert says in text and "held-out KL after each" in text
+
+
 def test_a_rate_the_user_sets_is_not_probed(tmp_path, monkeypatch):
     _, _, r = _heal_directly(tmp_path, monkeypatch, (1e4, 1.0), lr=3e-3)
     assert r.probe == [] and r.peak_rule == "heal.lr" and r.config["lr"] == 3e-3
