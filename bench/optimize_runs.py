@@ -60,7 +60,8 @@ def table(rows: list[dict]) -> str:
         healed = ("skipped by the probe" if h.get("skipped_by_probe") else "undone" if h.get("kept_unhealed")
                   else f"{lr:.1e}" if lr else "—")
         ppl = (f"{q['dense']:.3f} / {q['pruned']:.3f}" if "dense" in q and "pruned" in q else "—")
-        out.append([f"`{r['options']}`", probe, healed, kl, (h.get("before") or {}).get("perplexity", "—"), ppl,
+        before = (h.get("before") or {}).get("perplexity")
+        out.append([f"`{r['options']}`", probe, healed, kl, "—" if before is None else f"{before:.3f}", ppl,
                     h.get("wall_s", "—"), r["wall_s"]])
     return benchlib.markdown_table(["options", "probe (lr: held-out KL)", "healed at", "held-out KL before → after",
                                     "eval ppl before heal", "eval ppl dense / package", "heal s", "run s"], out)
@@ -86,6 +87,13 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def rebuild(folder: Path) -> None:
+    """results.md and results.png again from the folder's results.json (after a table's format changed)."""
+    rows = json.loads((folder / "results.json").read_text())["runs"]
+    benchlib.write_markdown(folder / "results.md", table(rows))
+    plot(rows, folder / "results.png")
 
 
 def main() -> None:
