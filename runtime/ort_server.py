@@ -48,6 +48,7 @@ import json
 import logging
 import os
 import queue
+import re
 import secrets
 import sys
 import threading
@@ -349,7 +350,7 @@ class Service:
                     if part.type != "text" or not isinstance(part.text, str):
                         raise BadRequest(f"messages[{i}]: only text content parts ({{'type': 'text', 'text': ...}}) "
                                          f"are supported, got type {part.type!r}")
-                content = "\n".join(part.text for part in m.content)  # vLLM joins text parts so
+                content = "\n".join(part.text for part in m.content)  # one text, as vLLM joins them
             else:
                 content = m.content or ""
             messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
@@ -616,6 +617,8 @@ OPEN_ROUTES = ("/health", "/ping")  # a load balancer's probe carries no key
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
                 408: "RequestTimeout", 413: "RequestTooLarge", 503: "ServiceUnavailableError"}
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
 log = logging.getLogger("ort_server")
 
 
@@ -654,10 +657,12 @@ class Metrics:
         metric("requests_in_flight", "gauge", "Generation requests accepted and not yet answered.",
                [("", front.in_flight)])
         metric("requests_running", "gauge", "Requests in the engine's batch.", [("", len(engine.rows))])
-        metric("requests_waiting", "gauge", "Requests waiting for a place in the batch.", [("", engine.inbox.qsize())])
+        metric("requests_waiting", "gauge", "Requests waiting for a place in the batch.",
+               [("", engine.inbox.qsize())])
         metric("requests_cancelled_total", "counter", "Generations stopped because the client left or stopped "
                "reading.", [("", self.cancelled)])
-        metric("prompt_tokens_total", "counter", "Prompt tokens of the generation requests.", [("", self.prompt_tokens)])
+        metric("prompt_tokens_total", "counter", "Prompt tokens of the generation requests.",
+               [("", self.prompt_tokens)])
         metric("generation_tokens_total", "counter", "Tokens generated.", [("", self.generation_tokens)])
         metric("request_duration_seconds", "summary", "Time from a request's arrival to the end of its answer.",
                [("_sum", self.duration_sum), ("_count", sum(self.requests.values()))])
@@ -746,7 +751,9 @@ class Edge:
         note = {"t0": t0}  # what the route adds for the log line (tokens, first token, error)
         scope.setdefault("state", {})["note"] = note
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        request_id = headers.get("x-request-id", "")[:64] or uuid.uuid4().hex
+        # the client's X-Request-Id when it is a plain token (it goes back in a header), else our own
+        request_id = headers.get("x-request-id", "")
+        request_id = request_id if _REQUEST_ID.fullmatch(request_id) else uuid.uuid4().hex
         status = [0]
 
         async def send_noted(message):
@@ -1065,8 +1072,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not (args.package / "manifest.json").is_file():
         sys.exit(f"error: {args.package}: not a package (no manifest.json)")
-    for name in ("max_batch", "max_body_bytes", "max_waiting"):
-        if getattr(args, name) < (0 if name == "max_waiting" else 1):
+    for name in ("max_batch", "max_body_bytes", "max_waiting", "read_timeout", "write_timeout"):
+        if getattr(args, name) < 0 or (getattr(args, name) == 0 and name != "max_waiting"):
             sys.exit(f"error: --{name.replace('_', '-')} must be positive")
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
@@ -1085,7 +1092,8 @@ def main(argv: list[str] | None = None) -> None:
               "(--api-key or $VLLM_API_KEY)", file=sys.stderr, flush=True)
     limits = Limits(args.max_body_bytes, args.max_waiting, args.read_timeout, args.write_timeout)
     print(f"serving {service.name} on http://{args.host}:{args.port}/v1 (onnxruntime {ort.__version__}, "
-          f"{args.package.resolve()}, API key {'required' if api_key else 'not required'})", file=sys.stderr, flush=True)
+          f"{args.package.resolve()}, API key {'required' if api_key else 'not required'})", file=sys.stderr,
+          flush=True)
     # uvicorn handles SIGTERM / SIGINT: it stops accepting, lets the requests in flight finish, then exits
     uvicorn.run(build_app(service, api_key, limits), host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, timeout_graceful_shutdown=args.timeout_graceful_shutdown)

@@ -224,6 +224,9 @@ def test_the_load_generator_sends_the_key(server):
 def test_log_has_a_line_per_request_and_never_the_key(server):
     port, _, log = server
     _request(port, "GET", "/v1/models", headers={"Authorization": "Bearer not-the-key-either"})
+    # the request id comes back (a plain token only: it goes into a response header)
+    assert _request(port, "GET", "/health", headers={"X-Request-Id": "abc-123"})[1]["x-request-id"] == "abc-123"
+    assert len(_request(port, "GET", "/health", headers={"X-Request-Id": "not one; " * 20})[1]["x-request-id"]) == 32
     _still_serving(port)
     text = log.read_text()
     assert KEY not in text and "not-the-key-either" not in text
