@@ -669,6 +669,12 @@ def _plot(results: dict, path: Path) -> None:
             ax1.scatter([c * (1 + dx)] * len(ys), ys, color=color, alpha=0.35, s=14)
         ttft = [min(x["ttft_ms"]["p50"] for x in load["runs"][label][str(c)]) for c in levels]
         ax2.plot(levels, ttft, "o-", color=color, label=label)
+        for c, y1, y2 in zip(levels, best, ttft):  # a server that lost requests did less work there: say so
+            ok, n = _level_requests(load, label, str(c))
+            if ok < n:
+                for ax, y in ((ax1, y1), (ax2, y2)):
+                    ax.annotate(f"{label}: {n - ok}/{n} lost", (c, y), textcoords="offset points", xytext=(-75, -14),
+                                fontsize=8, color=color)
     for ax, title in ((ax1, "output tokens/s"), (ax2, "TTFT p50 (ms, best of rounds)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(c) for c in levels])
@@ -676,7 +682,7 @@ def _plot(results: dict, path: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(loc="lower right" if ax is ax1 else "upper left")
     if fz:
         ax3 = axes[2]
         xs = [0] + [n for n, _ in fz["rss_kib_samples"]] + [fz["requests"]]
