@@ -4,7 +4,8 @@
 # The server (ort_server.py, copied into the package) needs onnxruntime, numpy and tokenizers for the
 # model, FastAPI + uvicorn for HTTP and jinja2 for the chat template, pinned to the versions the
 # package was tested with. Without VLLM_API_KEY (or --api-key) anyone who reaches the port can use it.
-# `docker stop` sends SIGTERM: the server stops accepting and finishes the requests in flight.
+# `docker stop` sends SIGTERM: the server stops accepting and finishes the requests in flight, for up to
+# 30 s (--timeout-graceful-shutdown); Docker waits 10 s by default before SIGKILL: `docker stop -t 30`.
 # For a GPU, start from a CUDA runtime image and install onnxruntime-gpu instead.
 FROM python:3.12-slim
 RUN pip install --no-cache-dir {{REQUIREMENTS}}

@@ -59,7 +59,8 @@ def engine_section(target_kind: str, max_model_len: int, served_model_name: str)
     import onnxruntime
     providers = ["CPUExecutionProvider"] if target_kind == "cpu" else ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return {"name": "onnxruntime", "tested_with": f"onnxruntime {onnxruntime.__version__} (CPU)",
-            "requires": "onnxruntime >= 1.17, numpy, tokenizers, fastapi, uvicorn, jinja2 (ort_server.py in the package)",
+            "requires": "onnxruntime >= 1.17, numpy, tokenizers, fastapi, uvicorn, jinja2 "
+                        "(ort_server.py in the package)",
             "served_model_name": served_model_name, "max_model_len": max_model_len,
             "model_file": MODEL_FILE, "dtype": "float32", "providers": providers,
             "args": [], "env": {}}

@@ -162,7 +162,8 @@ def test_chat_renders_the_packages_template(server, tokenizer):
     assert out["usage"]["prompt_tokens"] == len(ids)
     # content as a list of text parts is the same message
     parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
-    assert _post(port, "/v1/chat/completions", {**body, "messages": parts})[1]["choices"][0]["message"]["content"] == want
+    out = _post(port, "/v1/chat/completions", {**body, "messages": parts})[1]
+    assert out["choices"][0]["message"]["content"] == want
     status, events = _post(port, "/v1/chat/completions", {**body, "stream": True,
                                                           "stream_options": {"include_usage": True}})
     chunks = [json.loads(e) for e in events[:-1]]
