@@ -95,20 +95,21 @@ def run_name() -> str:
     return f"{now:%Y-%m-%d}-{commit[:7]}" + ("-dirty" if dirty else "")
 
 
-def run_dir(bench_name: str, out: str | Path | None = None, root: str | Path = RESULTS) -> Path:
+def run_dir(bench_name: str, out: str | Path | None = None, root: str | Path = RESULTS,
+            label: str | None = None) -> Path:
     """The folder a run writes its results into.
 
     With `out` (a script's --out), that folder as is, created if missing: to resume a run, or
     for several processes adding rows to one run. Otherwise a new folder
-    `<root>/<bench_name>/<run_name()>`, `-2`, `-3`... appended when that one exists: a rerun
-    never writes into an earlier run's folder."""
+    `<root>/<bench_name>/<run_name()>[-<label>]`, `-2`, `-3`... appended when that one exists: a
+    rerun never writes into an earlier run's folder. `label` names what the run was (a setting)."""
     if out is not None:
         path = Path(out)
         path.mkdir(parents=True, exist_ok=True)
         return path
     parent = Path(root) / bench_name
     parent.mkdir(parents=True, exist_ok=True)
-    name = run_name()
+    name = run_name() + (f"-{label}" if label else "")
     for k in range(1, 10_000):
         path = parent / (name if k == 1 else f"{name}-{k}")
         try:

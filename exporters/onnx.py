@@ -13,7 +13,8 @@ Package layout:
                                   its onnx section the graph; report.md's "Serving (ONNX)"
                                   section is this module's (`report_section`)
   ort_server.py, launch.sh        a copy of runtime/ort_server.py, which needs only numpy,
-                                  onnxruntime and tokenizers, and its launcher
+                                  onnxruntime, tokenizers and its web stack (SERVER_REQUIRES),
+                                  and its launcher
   Dockerfile                      the same on a slim Python image (docker/ort-cpu.Dockerfile)
 
 Written into the caller's temporary directory and renamed into place only after validation
@@ -45,6 +46,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # protobuf cannot serialize a message over 2 GiB; stay clear of it (initializers + graph).
 EXTERNAL_DATA_BYTES = 1_800_000_000
 SERVER_FILE = Path(__file__).resolve().parents[1] / "runtime" / "ort_server.py"
+# What ort_server.py imports besides the standard library: the package's Dockerfile installs them
+# (pinned to this environment's versions, as onnxruntime), launch.sh and report.md name them.
+SERVER_REQUIRES = ("onnxruntime", "numpy", "tokenizers", "fastapi", "uvicorn", "jinja2")
+# uvicorn's faster event loop and HTTP parser, used when installed (as here, where the server is
+# measured): the Dockerfile installs them too, so the image serves as the measured server did.
+SERVER_SPEEDUPS = ("uvloop", "httptools")
 
 
 def engine_section(target_kind: str, max_model_len: int, served_model_name: str) -> dict:
@@ -52,7 +59,8 @@ def engine_section(target_kind: str, max_model_len: int, served_model_name: str)
     import onnxruntime
     providers = ["CPUExecutionProvider"] if target_kind == "cpu" else ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return {"name": "onnxruntime", "tested_with": f"onnxruntime {onnxruntime.__version__} (CPU)",
-            "requires": "onnxruntime >= 1.17, numpy, tokenizers (ort_server.py in the package)",
+            "requires": "onnxruntime >= 1.17, numpy, tokenizers, fastapi, uvicorn, jinja2 "
+                        "(ort_server.py in the package)",
             "served_model_name": served_model_name, "max_model_len": max_model_len,
             "model_file": MODEL_FILE, "dtype": "float32", "providers": providers,
             "args": [], "env": {}}
@@ -386,9 +394,12 @@ def _server_args(engine: Engine) -> list[str]:
 def _write_launcher(tmp: Path, engine: Engine) -> None:
     args = " ".join(_server_args(engine))
     text = ("#!/usr/bin/env sh\n"
-            "# Serve this package with onnxruntime behind an OpenAI-compatible /v1/completions endpoint.\n"
-            "# Needs: pip install onnxruntime numpy tokenizers. Extra arguments go to the server,\n"
-            "# e.g. ./launch.sh --port 8000 --threads 4\n"
+            "# Serve this package with onnxruntime behind an OpenAI-compatible API (/v1/completions,\n"
+            "# /v1/chat/completions). Needs: pip install " + " ".join(SERVER_REQUIRES) + "\n"
+            "# Extra arguments go to the server, e.g. ./launch.sh --port 8000 --threads 4\n"
+            "# API key (required on every route but /health): --api-key KEY, or VLLM_API_KEY=KEY in the\n"
+            "# environment (kept out of the process list); clients send Authorization: Bearer KEY.\n"
+            "# python3 ort_server.py --help lists the limits (body size, waiting requests, time-outs).\n"
             "set -e\n"
             'HERE="$(cd "$(dirname "$0")" && pwd)"\n'
             f'exec "${{PYTHON:-python3}}" "$HERE/ort_server.py" "$HERE" {args} "$@"\n')
@@ -397,10 +408,23 @@ def _write_launcher(tmp: Path, engine: Engine) -> None:
 
 def _write_dockerfile(tmp: Path, engine: Engine) -> None:
     entry = ["python3", "/package/ort_server.py", "/package", *_server_args(engine)]
-    import onnxruntime
     text = (DOCKER_DIR / "ort-cpu.Dockerfile").read_text().replace("{{ENTRYPOINT}}", json.dumps(entry)) \
-        .replace("{{ORT_VERSION}}", onnxruntime.__version__)
+        .replace("{{REQUIREMENTS}}", " ".join(f'"{r}"' for r in _pinned(SERVER_REQUIRES + SERVER_SPEEDUPS)))
     (tmp / "Dockerfile").write_text(text)
+
+
+def _pinned(names) -> list[str]:
+    """`name==version` as installed here (the versions the package was written and tested with),
+    or the bare name of one that is not installed. By the module's version: onnxruntime-gpu is
+    imported as onnxruntime."""
+    import importlib
+    out = []
+    for name in names:
+        try:
+            out.append(f"{name}=={importlib.import_module(name).__version__}")
+        except (ImportError, AttributeError):
+            out.append(name)
+    return out
 
 
 def report_section(manifest: Manifest) -> str:
@@ -421,8 +445,10 @@ def report_section(manifest: Manifest) -> str:
     lines = ["## Serving (ONNX)", "",
              f"- graph: `{g['files'][0]}`{' + external data' if g['external_data'] else ''}, {g['dtype']}, "
              f"opset {g['opset']}, {g['bytes'] / 1e6:.1f} MB, KV cache as past_key_values.*/present.*",
-             f"- `./launch.sh` or `serve .` starts `ort_server.py` (onnxruntime, OpenAI-compatible "
-             f"`/v1/completions`, continuous batching); `Dockerfile` does the same on python:3.12-slim",
+             f"- `./launch.sh` or `serve .` starts `ort_server.py` (onnxruntime with continuous batching "
+             f"behind FastAPI/uvicorn: OpenAI-compatible `/v1/completions` and `/v1/chat/completions`; "
+             f"`--api-key` or `VLLM_API_KEY`; needs {', '.join(SERVER_REQUIRES)}); `Dockerfile` does the same "
+             f"on python:3.12-slim",
              genai_line,
              f"- validated against {c['reference']} on onnxruntime {e.tested_with.split()[1]}: "
              f"prefill logits max |diff| {c['prefill']['logits_max_abs_diff']:.2e}, decode "

@@ -39,9 +39,13 @@ def _manifest_or_model(package: str) -> tuple[Manifest, bool]:
 @click.option("--port", default=8000, show_default=True)
 @click.option("--tensor-parallel-size", "-tp", type=int, help="Shard over this many GPUs (vLLM tensor parallelism).")
 @click.option("--print-command", is_flag=True, help="Print the server command instead of running it.")
+@click.option("--api-key", envvar="VLLM_API_KEY", show_envvar=True,
+              help="Require `Authorization: Bearer KEY` on every route but /health (vLLM's --api-key; the ONNX "
+                   "server's too). Default: $VLLM_API_KEY. Given to the server in its environment as "
+                   "VLLM_API_KEY, which both read, so that it stays out of the process list.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @one_line_errors
-def serve(package, host, port, tensor_parallel_size, print_command, vllm_args):
+def serve(package, host, port, tensor_parallel_size, print_command, api_key, vllm_args):
     """Start vLLM's OpenAI-compatible server for PACKAGE with its recommended arguments.
 
     Arguments after the options go to vLLM unchanged (e.g. `serve PKG --enforce-eager`).
@@ -54,13 +58,18 @@ def serve(package, host, port, tensor_parallel_size, print_command, vllm_args):
         if manifest.format == "onnx":
             raise UserError("-tp is vLLM tensor parallelism; an ONNX package is served by onnxruntime")
         extra += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
+        raise UserError("give the key as serve's own --api-key (or $VLLM_API_KEY): it then reaches the server "
+                        "in its environment, not on its command line")
     cmd = launch.package_command(package, manifest, host, port, extra)
     if print_command:
         click.echo(shlex.join(cmd))
+        if api_key:
+            click.echo("note: the server reads its API key from VLLM_API_KEY in its environment (not shown)", err=True)
         return
     click.echo(f"serving {manifest.engine.served_model_name} on http://{host}:{port}/v1 "
-               f"({shlex.join(cmd[1:4])} ...)", err=True)
-    env = launch.server_env(manifest)
+               f"({shlex.join(cmd[1:4])} ...){', API key required' if api_key else ''}", err=True)
+    env = launch.server_env(manifest, api_key)
     os.execvpe(cmd[0], cmd, env)
 
 
@@ -86,9 +95,12 @@ def serve(package, host, port, tensor_parallel_size, print_command, vllm_args):
                                               "(default: bench-results/<package name>).")
 @click.option("--vllm-args", default="", help="Extra vLLM arguments for both servers, e.g. '--enforce-eager' "
                                               "(ONNX packages: ort_server arguments, e.g. '--threads 2').")
+@click.option("--api-key", envvar="VLLM_API_KEY", show_envvar=True,
+              help="Start both servers with this API key (in their environment, as `serve --api-key`) and send "
+                   "it with every request.")
 @one_line_errors
 def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, output_tokens, rounds, repeat, port,
-          interleave, out, vllm_args):
+          interleave, out, vllm_args, api_key):
     """Measure PACKAGE and its dense baseline side by side under the same load.
 
     Every request must succeed: bench.json (summary.requests) and bench.md state the requests
@@ -112,6 +124,9 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     if any(a == "--port" or a.startswith("--port=") for a in extra):
         raise UserError("--vllm-args must not set --port: give bench --port (with --interleave the package "
                         "takes the next one)")
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
+        raise UserError("--vllm-args must not set --api-key: give bench --api-key (it reaches both servers and "
+                        "the load generator)")
     vocab = json.loads((Path(package) / "config.json").read_text())["vocab_size"]
     host = "127.0.0.1"
     if base_manifest is None:  # a model directory: vLLM with the package's arguments
@@ -122,16 +137,16 @@ def bench(package, baseline, concurrency, requests_per_level, prompt_tokens, out
     pruned_cmd = launch.package_command(package, manifest, host, port, extra)  # built once: it may print a note
     # each server's command (at --port; with --interleave the package's moves to the next one) and its served name
     servers = {"dense": (dense_cmd, "dense"), "pruned": (pruned_cmd, name)}
-    env = launch.server_env(manifest)
+    env = launch.server_env(manifest, api_key)
     measure = _measure_interleaved if interleave else _measure_alternating
     runs, warmup = measure(servers, env, host, port, out_dir, levels, rounds, repeat,
-                           _Load(requests_per_level, prompt_tokens, output_tokens, vocab))
+                           _Load(requests_per_level, prompt_tokens, output_tokens, vocab, api_key))
     results = {
         "meta": {"package": str(Path(package).resolve()), "baseline": str(base_dir),
                  "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                  "host": platform.node(), "cpus": os.cpu_count(), "engine": _engine_version(manifest),
                  "engine_args": manifest.engine.args + extra, "rounds": rounds, "repeat": repeat,
-                 "interleave": interleave,
+                 "interleave": interleave, "api_key": bool(api_key),  # whether one was required, never the key
                  "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                  "command": " ".join(sys.argv)},
         "runs": runs,
@@ -158,7 +173,7 @@ def _measure_alternating(servers, env, host, port, out_dir, levels, rounds, repe
         for label in order:
             cmd, served = servers[label]
             click.echo(f"round {r + 1}/{rounds}: starting {label} server", err=True)
-            with launch.running(cmd, env, base_url, out_dir / f"server-{label}-{r + 1}.log"):
+            with launch.running(cmd, env, base_url, out_dir / f"server-{label}-{r + 1}.log", api_key=load.api_key):
                 warmup[label].append(_warm_up(base_url, served, label, levels, r, load))
                 for c in levels:
                     for k in range(repeat):  # a new seed each time: no prefix-cache hit on an earlier prompt
@@ -183,7 +198,7 @@ def _measure_interleaved(servers, env, host, port, out_dir, levels, rounds, repe
                 cmd, _ = servers[label]
                 click.echo(f"round {r + 1}/{rounds}: starting {label} server at port {ports[label]}", err=True)
                 stack.enter_context(launch.running(_with_port(cmd, ports[label]), env, urls[label],
-                                                   out_dir / f"server-{label}-{r + 1}.log"))
+                                                   out_dir / f"server-{label}-{r + 1}.log", api_key=load.api_key))
             for label in starts:
                 warmup[label].append(_warm_up(urls[label], servers[label][1], label, levels, r, load))
             for c in levels:
@@ -196,17 +211,20 @@ def _measure_interleaved(servers, env, host, port, out_dir, levels, rounds, repe
 
 
 class _Load(NamedTuple):
-    """What every measurement sends: requests per level (None: max(8, 2 x concurrency)), token counts, vocabulary."""
+    """What every measurement sends: requests per level (None: max(8, 2 x concurrency)), token counts,
+    vocabulary, and the API key the servers require (None: none)."""
     requests_per_level: int | None
     prompt_tokens: int
     output_tokens: int
     vocab: int
+    api_key: str | None = None
 
 
 def _warm_up(base_url, served, label, levels, r, load: _Load) -> dict:
     """First requests pay for graph capture / allocator growth: run, not measured."""
     res = loadgen.run_load(base_url, served, loadgen.LoadSpec(max(levels), max(levels), load.prompt_tokens,
-                                                              load.output_tokens), load.vocab, seed=10_000 + r)
+                                                              load.output_tokens), load.vocab, seed=10_000 + r,
+                           api_key=load.api_key)
     if res["failed"]:
         click.echo(f"  {label} warm-up: {_requests_text(res)}", err=True)
     return res
@@ -216,7 +234,7 @@ def _measure_once(base_url, served, label, c, seed, load: _Load) -> dict:
     """One measurement of one server at concurrency c, echoed as it ends."""
     n = load.requests_per_level or max(8, 2 * c)
     res = loadgen.run_load(base_url, served, loadgen.LoadSpec(c, n, load.prompt_tokens, load.output_tokens),
-                           load.vocab, seed=seed)
+                           load.vocab, seed=seed, api_key=load.api_key)
     click.echo(f"  {label} c={c}: {res['output_tokens_per_s']:.1f} tok/s, {_requests_text(res)}", err=True)
     return res
 

@@ -52,9 +52,13 @@ def sparse24_fallback(manifest: Manifest, installed: str | None = None) -> list[
     return list(sparse["dense_fallback_args"])
 
 
-def server_env(manifest: Manifest | None) -> dict:
-    """The server's environment: ours, plus the package's engine variables we do not set (None: no package)."""
+def server_env(manifest: Manifest | None, api_key: str | None = None) -> dict:
+    """The server's environment: ours, plus the package's engine variables we do not set (None: no
+    package), plus the API key as VLLM_API_KEY, which vLLM's server and ours both read: on their
+    command line it would show in every user's process list."""
     env = dict(os.environ)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
     for k, v in (manifest.engine.env if manifest is not None else {}).items():
         env.setdefault(k, v)
     # Only vLLM's CPU backend reads this (GiB of KV cache); it keeps a GPU package servable
@@ -64,14 +68,16 @@ def server_env(manifest: Manifest | None) -> dict:
 
 
 @contextlib.contextmanager
-def running(cmd: list[str], env: dict, base_url: str, log_path: Path, timeout_s: float = 600):
-    """Start a server process, wait until it answers, stop it (and its children) on exit."""
+def running(cmd: list[str], env: dict, base_url: str, log_path: Path, timeout_s: float = 600,
+            api_key: str | None = None):
+    """Start a server process, wait until it answers (with `api_key` where it requires one), stop
+    it (and its children) on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             try:
-                wait_for_server(base_url, timeout_s, proc=proc)
+                wait_for_server(base_url, timeout_s, proc=proc, api_key=api_key)
             except RuntimeError as e:
                 tail = log_path.read_text()[-2000:]
                 raise RuntimeError(f"{e}\n--- server log tail ({log_path}) ---\n{tail}") from None

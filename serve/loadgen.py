@@ -9,6 +9,9 @@ output tokens and time per output token (TPOT = (e2e - ttft) / (n_out - 1)); ``r
 aggregates them into throughput and p50/p99/mean latencies, and counts the requests sent,
 succeeded and failed (a benchmark that loses requests must say so: see ``bench``).
 
+With ``api_key`` every request carries ``Authorization: Bearer KEY``, as a server started with
+``--api-key`` (vLLM's, or the onnxruntime server's) requires on every route but ``/health``.
+
 A request succeeds when its stream ends with ``data: [DONE]`` and generated at least one token.
 The token count is the final ``usage.completion_tokens`` (we always ask for it); only a server
 that sends no usage falls back to counting chunks with text or token ids. A chunk's ``text`` can
@@ -125,6 +128,10 @@ def _connection(base_url: str, timeout: float) -> tuple[http.client.HTTPConnecti
     return cls(host, port, timeout=timeout), prefix
 
 
+def _headers(api_key: str | None, **extra: str) -> dict[str, str]:
+    return {**extra, **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+
+
 def _short(msg: str, limit: int = 300) -> str:
     msg = " ".join(msg.split())
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
@@ -134,7 +141,7 @@ def _short(msg: str, limit: int = 300) -> str:
 # server readiness / single completion
 
 
-def wait_for_server(base_url: str, timeout_s: float, proc=None) -> None:
+def wait_for_server(base_url: str, timeout_s: float, proc=None, api_key: str | None = None) -> None:
     """Poll ``GET {base_url}/v1/models`` until it answers 200.
 
     Raises RuntimeError as soon as ``proc`` (a ``subprocess.Popen``) has exited, or when
@@ -151,7 +158,7 @@ def wait_for_server(base_url: str, timeout_s: float, proc=None) -> None:
         try:
             conn, prefix = _connection(base_url, timeout=max(0.2, min(5.0, remaining)))
             try:
-                conn.request("GET", prefix + "/v1/models")
+                conn.request("GET", prefix + "/v1/models", headers=_headers(api_key))
                 resp = conn.getresponse()
                 resp.read()
                 if resp.status == 200:
@@ -167,7 +174,8 @@ def wait_for_server(base_url: str, timeout_s: float, proc=None) -> None:
 
 
 def complete(
-    base_url: str, model: str, prompt: str, max_tokens: int = 16, timeout_s: float = 300
+    base_url: str, model: str, prompt: str, max_tokens: int = 16, timeout_s: float = 300,
+    api_key: str | None = None,
 ) -> str:
     """One non-streaming greedy completion; returns the generated text."""
     body = json.dumps(
@@ -177,7 +185,7 @@ def complete(
     try:
         conn.request(
             "POST", prefix + "/v1/completions", body=body,
-            headers={"Content-Type": "application/json"},
+            headers=_headers(api_key, **{"Content-Type": "application/json"}),
         )
         resp = conn.getresponse()
         data = resp.read()
@@ -212,12 +220,12 @@ class _StreamError(Exception):
 _RETRYABLE_ON_REUSE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 
 
-def _one_request(conn: http.client.HTTPConnection, path: str, body: bytes) -> _Result:
+def _one_request(conn: http.client.HTTPConnection, path: str, body: bytes, headers: dict[str, str]) -> _Result:
     """Send one streaming completion on ``conn`` and read the SSE stream to the end."""
     t0 = time.perf_counter()
     conn.request(
         "POST", path, body=body,
-        headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+        headers=headers,
     )
     resp = conn.getresponse()
     if resp.status != 200:
@@ -292,6 +300,7 @@ def run_load(
     vocab_size: int,
     seed: int = 0,
     timeout_s: float = 600,
+    api_key: str | None = None,
 ) -> dict:
     """Send ``spec.num_requests`` streaming completions with ``spec.concurrency`` workers.
 
@@ -300,11 +309,12 @@ def run_load(
     cache); use a different ``seed`` per round for the same reason.
 
     ``timeout_s`` is both the socket timeout of each request and the deadline of the whole run:
-    requests not started by then are recorded as failed.
+    requests not started by then are recorded as failed. ``api_key``: sent as a bearer token.
     """
     prompts = make_prompts(
         spec.num_requests, spec.prompt_tokens, vocab_size, seed=seed * 100_003 + spec.concurrency
     )
+    headers = _headers(api_key, **{"Content-Type": "application/json", "Accept": "text/event-stream"})
     work: queue.Queue = queue.Queue()
     for p in prompts:
         work.put(p)
@@ -351,7 +361,7 @@ def run_load(
                     used = 0
                 t0 = time.perf_counter()
                 try:
-                    res = _one_request(conn, path, body)
+                    res = _one_request(conn, path, body, headers)
                     used += 1
                     break
                 except _StreamError as e:

@@ -50,6 +50,12 @@ def test_run_dir_never_reuses_an_existing_folder(tmp_path):
     assert (taken / "ddp-params-r0.70.json").read_text() == "{}"
 
 
+def test_run_dir_with_a_label(tmp_path):
+    first = benchlib.run_dir("ort-server", root=tmp_path, label="c64")
+    second = benchlib.run_dir("ort-server", root=tmp_path, label="c64")
+    assert first.name == f"{benchlib.run_name()}-c64" and second.name == f"{first.name}-2"
+
+
 def test_run_dir_nested_bench_name(tmp_path):
     path = benchlib.run_dir("ddp-probes/trajectory", root=tmp_path)
     assert path.parent == tmp_path / "ddp-probes" / "trajectory"

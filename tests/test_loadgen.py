@@ -555,7 +555,7 @@ def test_bench_interleave_runs_both_servers_at_once_and_pairs_neighbours(tmp_pat
     started, calls, events = [], [], []
 
     @contextlib.contextmanager
-    def running(cmd, env, base_url, log_path, timeout_s=600):
+    def running(cmd, env, base_url, log_path, timeout_s=600, api_key=None):
         port = cmd[cmd.index("--port") + 1]
         started.append((port, base_url, log_path.name))
         events.append(("up", port))
@@ -564,7 +564,7 @@ def test_bench_interleave_runs_both_servers_at_once_and_pairs_neighbours(tmp_pat
         finally:
             events.append(("down", port))
 
-    def run_load(base_url, model, spec, vocab, seed=0):
+    def run_load(base_url, model, spec, vocab, seed=0, api_key=None):
         m = sum(c[2] == 8 for c in calls)  # measurements so far: a pair shares the machine's speed
         calls.append((base_url, model, spec.num_requests, seed))
         speed = (150.0 if base_url.endswith(":9001") else 100.0) * 0.5 ** (m // 2 % 2)

@@ -481,12 +481,18 @@ def test_launch_sh_runs_the_server_copy(lively_package):
                    "--port", "1"]
     source = (pkg / "ort_server.py").read_text()
     assert source == Path(onnx_export.SERVER_FILE).read_text()
-    # the copy serves without this project: standard library + numpy, onnxruntime, tokenizers
+    # the copy serves without this project: standard library + the model's runtime and the web stack
+    # (fastapi brings pydantic and starlette), each of which the Dockerfile installs
     import ast
     tree = ast.parse(source)
     mods = {n.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for n in node.names} | \
         {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert mods - set(sys.stdlib_module_names) == {"numpy", "onnxruntime", "tokenizers"}
+    assert mods - set(sys.stdlib_module_names) == \
+        {"numpy", "onnxruntime", "tokenizers", "fastapi", "pydantic", "starlette", "uvicorn", "jinja2"}
+    docker = (pkg / "Dockerfile").read_text()
+    assert all(f'"{r}==' in docker for r in onnx_export.SERVER_REQUIRES)
+    assert "VLLM_API_KEY" in (pkg / "launch.sh").read_text() and "--api-key" in (pkg / "launch.sh").read_text()
+    assert "fastapi, uvicorn, jinja2" in json.loads((pkg / "manifest.json").read_text())["engine"]["requires"]
 
 
 def test_genai_runs_the_package(lively_package):
@@ -555,6 +561,12 @@ def test_optimize_format_onnx_through_the_cli(cli_packages):
     assert cmd[-4:] == ["--host", "127.0.0.1", "--port", "9999"]
     r = CliRunner().invoke(serve, [str(pkg), "-tp", "2"])
     assert r.exit_code == 2 and "vLLM tensor parallelism" in r.output
+    # the API key reaches the server in its environment, never on its command line
+    r = CliRunner().invoke(serve, [str(pkg), "--print-command", "--api-key", "s3cret"])
+    assert r.exit_code == 0 and "s3cret" not in r.stdout and "VLLM_API_KEY" in r.stderr
+    r = CliRunner().invoke(serve, [str(pkg), "--print-command", "--api-key", "s3cret", "--", "--api-key", "x"])
+    assert r.exit_code == 2 and "serve's own --api-key" in r.output
+    assert launch.server_env(Manifest.read(pkg), "s3cret")["VLLM_API_KEY"] == "s3cret"
 
 
 @pytest.mark.slow
@@ -586,13 +598,16 @@ def test_bench_onnx_package_against_onnx_baseline(cli_packages, tmp_path):
     from serve.cli import bench
     pkg, dense = cli_packages
     out = tmp_path / "bench"
+    # with an API key: both servers require it (from their environment) and the load generator sends it
     r = CliRunner().invoke(bench, [str(pkg), "--baseline", str(dense), "--concurrency", "1,2", "--requests", "2",
                                    "--rounds", "1", "--prompt-tokens", "16", "--output-tokens", "4",
-                                   "--port", str(_free_port()), "--out", str(out), "--vllm-args", "--threads 1"],
+                                   "--port", str(_free_port()), "--out", str(out), "--vllm-args", "--threads 1",
+                                   "--api-key", "bench-key"],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
-    assert result["meta"]["engine"].startswith("onnxruntime ")
+    assert result["meta"]["engine"].startswith("onnxruntime ") and result["meta"]["api_key"] is True
+    assert "bench-key" not in json.dumps(result) and "API key required" in (out / "server-pruned-1.log").read_text()
     assert all(result["summary"]["ratios"]["pruned"][c]["tokens_per_s"] > 0 for c in ("1", "2"))
 
 
