@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -392,13 +393,13 @@ def _server_args(engine: Engine) -> list[str]:
 
 
 def _write_launcher(tmp: Path, engine: Engine) -> None:
-    args = " ".join(_server_args(engine))
+    args = shlex.join(_server_args(engine))  # a served name with a space or a quote stays one argument
     text = ("#!/usr/bin/env sh\n"
             "# Serve this package with onnxruntime behind an OpenAI-compatible API (/v1/completions,\n"
             "# /v1/chat/completions). Needs: pip install " + " ".join(SERVER_REQUIRES) + "\n"
             "# Extra arguments go to the server, e.g. ./launch.sh --port 8000 --threads 4\n"
-            "# API key (required on every route but /health): --api-key KEY, or VLLM_API_KEY=KEY in the\n"
-            "# environment (kept out of the process list); clients send Authorization: Bearer KEY.\n"
+            "# API key (required on every route but /health): VLLM_API_KEY=KEY in the environment (out of\n"
+            "# the process list; --api-key KEY also works); clients send Authorization: Bearer KEY.\n"
             "# python3 ort_server.py --help lists the limits (body size, waiting requests, time-outs).\n"
             "set -e\n"
             'HERE="$(cd "$(dirname "$0")" && pwd)"\n'

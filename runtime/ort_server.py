@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import datetime as _dt
 import hashlib
 import json
@@ -56,7 +57,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any
 
 import numpy as np
 import onnxruntime as ort
@@ -200,6 +201,10 @@ class Engine:
                 self.rows, self.past, self.mask = [], [], np.zeros((0, 0), np.int64)
 
     def _admit(self) -> None:
+        if len(self.rows) >= self.max_batch:  # a full batch: still drop what left the queue, so that
+            with self.inbox.mutex:            # requests whose clients left do not pile up until a slot frees
+                if any(r.cancelled for r in self.inbox.queue):
+                    self.inbox.queue = collections.deque(r for r in self.inbox.queue if not r.cancelled)
         while len(self.rows) < self.max_batch:
             try:
                 req = self.inbox.get(block=not self.rows)
@@ -213,8 +218,11 @@ class Engine:
                 req.out.put(("error", f"{type(e).__name__}: {e}"))
                 continue
             req.pos = len(req.prompt)
-            if not self._emit(req, logits):
-                self._join(req, past)
+            try:  # a failure here is this request's alone: the rows in flight go on
+                if not self._emit(req, logits):
+                    self._join(req, past)
+            except Exception as e:
+                req.out.put(("error", f"{type(e).__name__}: {e}"))
 
     def _emit(self, req: Request, logits: np.ndarray) -> bool:
         """Pick and send the next token; True when the request is finished."""
@@ -540,7 +548,9 @@ class _GenerationBody(_Body):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=0, lt=2 ** 63)  # numpy's generator takes no negative seed
-    stop: str | list[str] | None = None
+    # bounded: each stop string is searched for after every token, on the event loop
+    stop: str | Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] | None = \
+        Field(None, max_length=256)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
