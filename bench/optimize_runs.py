@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,7 @@ def one_run(k: int, model: str | None, options: str, out: Path) -> dict:
         if rc != 0:
             return {"options": options, "rc": rc, "wall_s": wall}
         manifest = json.loads((pkg / "manifest.json").read_text())
-        (out / f"{k}-manifest.json").write_text(json.dumps(manifest, indent=1))
+        shutil.copyfile(pkg / "manifest.json", out / f"{k}-manifest.json")  # as written
         (out / f"{k}-report.md").write_text((pkg / "report.md").read_text())
     heal = manifest.get("heal") or {}
     quality = manifest.get("quality", {}).get("perplexity", {})
