@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the fuzz generator's seed")
     ap.add_argument("--port", type=int, default=8141, help="the old server's port; the new one takes the next")
     ap.add_argument("--label", help="appended to the run folder's name")
+    ap.add_argument("--shared", action="store_true", help="other work ran on the machine meanwhile: the views say so")
     ap.add_argument("--out", help="run folder (default: a new bench/results/ort-server/<date>-<commit>[-label])")
     ap.add_argument("--report-only", metavar="RUN_DIR",
                     help="rebuild ort-server.md, ort-server.png and README.md (views) from RUN_DIR/ort-server.json; "
@@ -89,6 +90,7 @@ def main() -> None:
                             "requests": args.requests, "prompt_tokens": args.prompt_tokens,
                             "output_tokens": args.output_tokens, "rounds": args.rounds, "threads": args.threads,
                             "fuzz_requests": args.fuzz, "fuzz_seed": args.seed, "api_key_sent": True,
+                            "shared": args.shared,
                             "machine": _machine(), "stack": _stack(), "pythonpath": bool(os.environ.get("PYTHONPATH")),
                             **benchlib.run_info()}}
     with tempfile.TemporaryDirectory(prefix="ort-server-old-") as tmp:
@@ -578,7 +580,7 @@ def _markdown(results: dict) -> str:
              f"Prompts of {p['prompt_tokens']} random tokens, {p['output_tokens']} output tokens, both servers up at "
              f"once and measured in turn, {p['rounds']} rounds, best of the rounds; every request with the API key "
              f"(required by the new server). CPU: {p['machine']['cpu']}, {p['machine']['cpus']} cores "
-             f"(shared: other work ran on it).", "",
+             + ("(shared: other work ran on it)." if p.get("shared", True) else "(nothing else ran on it)."), "",
              "## Load", ""]
     rows, lossy = [], []
     for c, row in s["levels"].items():
@@ -645,8 +647,9 @@ def _readme(results: dict, out: Path, rebuilt_by: dict | None = None) -> str:
         "Command (from the repository root, at the commit in ort-server.json; PYTHONPATH: the checkout's "
         "`serve` package rather than the one the virtual environment has installed):", "",
         "```", f"{'PYTHONPATH=$PWD ' if p.get('pythonpath') else ''}.venv/bin/python {p['command']}", "```", "",
-        f"Machine: {p['machine']['cpu']} (from /proc/cpuinfo), {p['machine']['cpus']} cores, shared with another engineer's work "
-        f"while this ran; Python {p['machine']['python']}.", "",
+        f"Machine: {p['machine']['cpu']} (from /proc/cpuinfo), {p['machine']['cpus']} cores, "
+        + ("shared with another engineer's work while this ran" if p.get("shared", True) else "nothing else running")
+        + f"; Python {p['machine']['python']}.", "",
         f"Package: {p['package']}, made by `.venv/bin/optimize --target cpu --format onnx --retain 1.0 --no-heal "
         "--quant none -o PACKAGE` (the embedded SmolLM2-135M-Instruct, dense, fp32).", "",
         *([f"The views (ort-server.md, ort-server.png, this README) were rebuilt from ort-server.json at commit "
