@@ -781,13 +781,18 @@ class Edge:
                 body = await self._read_body(scope, receive)
                 if isinstance(body, Response):
                     await body(scope, receive, send_noted)
-                elif body is not None:  # None: the client left before its body arrived
+                elif body is not None:
                     await self.app(scope, _replay(body, receive), send_noted)
+                else:  # the client left before its body arrived
+                    note["client_left"] = True
             else:
                 await self.app(scope, receive, send_noted)
         finally:
-            # status 0: an exception escaped the route; the server's error middleware answers 500
-            self.front.log_request(scope, status[0] or 500, time.perf_counter() - t0, note, request_id)
+            # status 0: the client left before any answer (499, nginx's "client closed request": not the
+            # server's error, so no 5xx alert fires on clients' time-outs), or an exception escaped the route
+            # and the server's error middleware answers 500
+            unanswered = 499 if note.get("client_left") else 500
+            self.front.log_request(scope, status[0] or unanswered, time.perf_counter() - t0, note, request_id)
 
     def _refusal(self, scope: dict, headers: dict[str, str]) -> Response | None:
         front = self.front
@@ -889,7 +894,7 @@ class GenerationResponse(Response):
                 await self._whole(send, req, events, note)
         except _ClientGone as e:
             front.metrics.cancelled += 1
-            note["error"] = str(e)
+            note["error"], note["client_left"] = str(e), True
         finally:
             req.cancelled = True
             watcher.cancel()
@@ -1105,8 +1110,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.package.resolve()}, API key {'required' if api_key else 'not required'})", file=sys.stderr,
           flush=True)
     # uvicorn handles SIGTERM / SIGINT: it stops accepting, lets the requests in flight finish, then exits
+    # limit_concurrency: connections past what the engine can hold or queue, plus a margin for /health and
+    # refusals, get uvicorn's 503 before anything is read (requests still sending their body are not
+    # counted in our own bound)
     uvicorn.run(build_app(service, api_key, limits), host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+                access_log=False, timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+                limit_concurrency=service.max_batch + limits.max_waiting + 64)
 
 
 if __name__ == "__main__":

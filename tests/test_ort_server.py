@@ -364,6 +364,24 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     _still_serving(port)
 
 
+def test_a_client_that_leaves_before_its_answer_is_counted_499_not_500(server):
+    """Not the server's error: no 5xx on a client's time-out (nginx's "client closed request")."""
+    port, _, _ = server
+    key = 'ort_server_requests_total{route="/v1/completions",status="499"}'
+    before = _metrics(port).get(key, 0)
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 250, "ignore_eos": True, "temperature": 0})
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+        time.sleep(0.3)  # admitted and generating, then gone
+    deadline = time.monotonic() + 10
+    while _metrics(port).get(key, 0) == before:
+        assert time.monotonic() < deadline, _metrics(port)
+        time.sleep(0.05)
+    assert not any(k.startswith("ort_server_requests_total") and 'status="5' in k for k in _metrics(port))
+    _still_serving(port)
+
+
 def test_requests_past_the_waiting_bound_get_503_with_retry_after(server):
     """Batch 2 + 2 waiting: of 8 long requests at once, 4 run or wait and 4 are refused at once."""
     port, _, _ = server
