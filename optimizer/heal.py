@@ -27,7 +27,8 @@ from tqdm import tqdm
 from optimizer import distributed
 from optimizer.config import HealSettings
 from optimizer.heal_data import HealText, chat_check
-from optimizer.methods.distill import OPTIMIZER_LR, Distillation, HealConfig, kd_eval, zero_masks
+from optimizer.methods.distill import (OPTIMIZER_LR, Distillation, HealConfig, digest, kd_eval,
+                                       trained_parameters, zero_masks)
 from optimizer.resources import peak_rss_gib
 from optimizer.sequential import calibration_dtype
 from optimizer.training import batch_indices, stop_if_terminated
@@ -156,26 +157,29 @@ def _heal(student, teacher, text, s: HealSettings, device, *, held_out, trainer,
     # can differ between machines and thread counts, and a checkpoint must be of this very data
     data_digest = hashlib.sha256(chunks.numpy().tobytes()).hexdigest()[:16]
 
-    def distillation(peak: float, n_steps: int) -> Distillation:
-        hcfg = HealConfig(steps=n_steps, lr=peak, lr_end=peak * lr_end / lr, seed=seed, dtype=dtype,
-                          optimizer=optimizer, checkpointing=s.memory == "lean")
-        return Distillation(student, teacher, hcfg, keep, blocks=adapter.blocks(student))
-
-    distil = distillation(lr, steps)  # (its parameters: what trains)
+    params = trained_parameters(student)
     # the unhealed weights, on the CPU (the size of the student's blocks): a heal that makes the
-    # held-out KL worse is not shipped, and every probe starts from them
-    unhealed = {n: p.detach().to("cpu", copy=True) for n, p in distil.params.items()}
-    distil.close()
+    # held-out KL worse is not shipped, and every probe starts from them (so they share one digest)
+    unhealed = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+    start_digest = digest(unhealed)
+
+    def heal_config(peak: float, n_steps: int) -> HealConfig:
+        return HealConfig(steps=n_steps, lr=peak, lr_end=peak * lr_end / lr, seed=seed, dtype=dtype,
+                          optimizer=optimizer, checkpointing=s.memory == "lean")
+
+    def distillation(peak: float, n_steps: int) -> Distillation:
+        return Distillation(student, teacher, heal_config(peak, n_steps), keep, blocks=adapter.blocks(student),
+                            start_digest=start_digest)
 
     def restore() -> None:
         with torch.no_grad():
-            for n, p in distil.params.items():
+            for n, p in params.items():
                 p.copy_(unhealed[n])
 
     if s.lr is not None:
         peak, peak_rule = s.lr, "heal.lr"
     else:
-        peak, peak_rule = default_peak(optimizer, distil.params)
+        peak, peak_rule = default_peak(optimizer, params)
     probe_steps = min(MAX_PROBE_STEPS, max(MIN_PROBE_STEPS, round(steps * PROBE_SHARE)))
     # under a time cap, the probes share its PROBE_SHARE (a probe it stops compares fewer steps)
     probe_time = None if s.time_s is None else s.time_s * PROBE_SHARE / len(PROBE_PEAKS)
@@ -204,8 +208,7 @@ def _heal(student, teacher, text, s: HealSettings, device, *, held_out, trainer,
         log(f"no probed learning rate lowered the held-out KL in {probe_steps} steps: healing skipped, the "
             "package keeps the unhealed weights (--set heal.lr=RATE heals at a rate of your choice)")
         after, kept_unhealed, done = dict(before), True, 0
-        distil = distillation(peak, steps)  # (its configuration and memory, for the report)
-        distil.close()
+        config, memory = vars(heal_config(peak, steps)), probe.state_bytes()  # what a probe held
     else:
         time_left = None if s.time_s is None else s.time_s - (time.time() - started)
         distil = distillation(peak, steps)
@@ -213,7 +216,7 @@ def _heal(student, teacher, text, s: HealSettings, device, *, held_out, trainer,
         run = trainer.train(distil, chunks, steps, batch, ckpt, "healing",
                             lambda st: {"kd": f"{st['kd']:.3f}", "lr": f"{st['lr']:.1e}"}, max_time_s=time_left)
         distil.close()
-        done = distil.step_count
+        done, config, memory = distil.step_count, vars(distil.cfg), distil.state_bytes()
         after = {"held_out_kd": kd_eval(student, teacher, held_out)}
         attempts.append({"lr": peak, "steps": done, "wall_s": run["wall_s"], "held_out_kd": after["held_out_kd"]})
         log(f"healed at lr {peak:.1e}: {done} steps, {done * batch * seq:,} tokens of {source} in "
@@ -231,8 +234,8 @@ def _heal(student, teacher, text, s: HealSettings, device, *, held_out, trainer,
     report = HealReport(
         data=source, tokens_requested=s.tokens, tokens=done * batch * seq, steps=done, steps_planned=steps,
         seq_len=seq, batch=batch, processes=world, time_cap_s=s.time_s, stopped_by_time=0 < done < steps,
-        kept_unhealed=kept_unhealed, config=vars(distil.cfg), attempts=attempts, zeros_held=len(keep or {}),
-        before=before, after=after, memory_bytes=distil.state_bytes(), peak_rss_gib=round(peak_rss_gib(), 2),
+        kept_unhealed=kept_unhealed, config=config, attempts=attempts, zeros_held=len(keep or {}),
+        before=before, after=after, memory_bytes=memory, peak_rss_gib=round(peak_rss_gib(), 2),
         device=str(device),
         peak_device_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         wall_s=round(time.time() - started, 1), resumed_from_step=run["resumed_from_step"], final=run["final"],

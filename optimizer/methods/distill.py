@@ -68,13 +68,15 @@ class HealConfig:
 
 class Distillation(TrainedMethod):
     def __init__(self, student, teacher, cfg: HealConfig, keep: dict[str, torch.Tensor] | None = None,
-                 blocks=None):
-        """`blocks`: the student's decoder blocks, which `cfg.checkpointing` wraps (adapter.blocks)."""
+                 blocks=None, start_digest: str | None = None):
+        """`blocks`: the student's decoder blocks, which `cfg.checkpointing` wraps (adapter.blocks);
+        `start_digest`: `digest` of the trained weights as they are now, where the caller has it (a
+        hash of every weight: a minute at 8B)."""
         self.student, self.teacher, self.cfg = student, teacher, cfg
-        frozen = {id(p) for m in (student.get_input_embeddings(), student.get_output_embeddings()) for p in m.parameters()}
-        self.params = {n: p for n, p in student.named_parameters() if id(p) not in frozen}
+        self.params = trained_parameters(student)
+        trained = {id(p) for p in self.params.values()}
         for p in student.parameters():
-            p.requires_grad_(id(p) not in frozen)
+            p.requires_grad_(id(p) in trained)
         for p in teacher.parameters():
             p.requires_grad_(False)
         self.keep = keep or {}
@@ -93,7 +95,7 @@ class Distillation(TrainedMethod):
         self._unwrap = checkpoint_blocks(blocks) if cfg.checkpointing else None
         self.heads = cast_heads(teacher, student, cfg.dtype)
         self.step_count = 0
-        self.start_digest = digest(self.params)
+        self.start_digest = start_digest or digest(self.params)
         student.train(False)  # no dropout: the student is compared token for token with the teacher
 
     def lr(self) -> float:
@@ -281,6 +283,12 @@ def zero_masks(model, adapter) -> dict[str, torch.Tensor]:
             if (w == 0).any():
                 keep[names[id(lin.weight)]] = w != 0  # bool: a byte a weight, not a weight's copy
     return keep
+
+
+def trained_parameters(student) -> dict[str, torch.Tensor]:
+    """What the heal trains: every parameter but the embedding's and the head's (frozen)."""
+    frozen = {id(p) for m in (student.get_input_embeddings(), student.get_output_embeddings()) for p in m.parameters()}
+    return {n: p for n, p in student.named_parameters() if id(p) not in frozen}
 
 
 def digest(params: dict[str, torch.Tensor]) -> str:
