@@ -86,6 +86,15 @@ def run_info() -> dict:
     return {"command": " ".join(sys.argv), "commit": commit, "dirty": dirty}
 
 
+def cpu_name() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (figures are compared on one CPU only); None elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return None
+
+
 def run_name() -> str:
     """`YYYY-MM-DD-<short commit>[-dirty]`; the date and time when git cannot say."""
     commit, dirty = git_state()

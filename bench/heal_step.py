@@ -79,19 +79,12 @@ def main() -> None:
     result = {"args": vars(a), "dtype": dtype, "torch": torch.__version__,
               "student_digest": distil.start_digest,  # the trained weights before the first step
               "optimizer_package": {"path": str(package), "commit": commit, "dirty": dirty},
-              "cpu": cpu_name(), "fast_bf16": fast_bf16(),
+              "cpu": benchlib.cpu_name(), "fast_bf16": fast_bf16(),
               "step_s": seconds, "step_s_median": statistics.median(seconds),
               "tokens_per_s": round(a.seq / statistics.median(seconds), 1), "kd": kd,
               "weights_digest": digest(distil.params), **benchlib.run_info()}
     benchlib.write_result(path, result)
     print(json.dumps({k: result[k] for k in ("step_s_median", "tokens_per_s", "weights_digest")}, indent=1))
-
-
-def cpu_name() -> str | None:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return None
 
 
 def markdown(folder: Path) -> str:

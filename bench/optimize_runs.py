@@ -110,19 +110,12 @@ def main() -> None:
     rows = []
     for k, options in enumerate(a.runs, 1):
         rows.append(one_run(k, a.model, options, out))
-        data = {**benchlib.run_info(), "model": a.model or "embedded SmolLM2-135M", "cpu": benchlib_cpu(),
+        data = {**benchlib.run_info(), "model": a.model or "embedded SmolLM2-135M", "cpu": benchlib.cpu_name(),
                 "runs": rows}
         (out / "results.json").write_text(json.dumps(data, indent=1))  # rewritten as runs finish (this run's own)
         benchlib.write_markdown(out / "results.md", table(rows))
     plot(rows, out / "results.png")
     print(out)
-
-
-def benchlib_cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

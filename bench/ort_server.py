@@ -132,9 +132,8 @@ def _package(pkg: Path) -> Path:
 
 
 def _machine() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return {"cpu": model, "cpus": os.cpu_count(), "host": platform.node(), "python": platform.python_version()}
+    return {"cpu": benchlib.cpu_name() or platform.processor(), "cpus": os.cpu_count(), "host": platform.node(),
+            "python": platform.python_version()}
 
 
 def _stack() -> dict:
