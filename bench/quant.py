@@ -74,10 +74,15 @@ def main() -> None:
     ap.add_argument("--interleave", action="store_true",
                     help="bench --interleave: both servers at once, measured in turn (paired ratios)")
     ap.add_argument("--skip-serve", action="store_true", help="quality only")
+    ap.add_argument("--report-only", action="store_true", help="rewrite --out's table and plot from its quant.json")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--out", help="run folder (default: a new bench/results/quant/DATE-COMMIT)")
     args = ap.parse_args()
+    if args.report_only:
+        if not args.out or not (Path(args.out) / "quant.json").is_file():
+            raise SystemExit("error: --report-only needs --out, a run folder holding quant.json")
+        return report(Path(args.out))
 
     import torch
 
@@ -141,7 +146,8 @@ def main() -> None:
                    "dense_bf16_bytes": m.size["bf16_bytes_dense"]}
             if m.frontier:  # the search's: which candidate it shipped, and why
                 chosen = next(c for c in m.frontier["candidates"] if c["chosen"])
-                row.update(chosen=chosen["label"], why=m.frontier["why"], retain=m.method["retain_requested"])
+                row.update(chosen=chosen["label"], why=m.frontier["why"], retain=m.method["retain_requested"],
+                           frontier=m.frontier)
         else:
             work.mkdir(parents=True, exist_ok=True)
             windows = work / "peer-calib.pt"
@@ -177,7 +183,11 @@ def main() -> None:
                                 *(["--interleave"] if args.interleave else [])], check=True)
                 summary = json.loads((bench_dir / "bench.json").read_text())["summary"]
                 benchlib.update_result(path, {"variants": {name: {"serving": {key: benchlib.serving_figures(summary)}}}})
-    result = benchlib.read_result(path)
+    report(out)
+
+
+def report(out: Path) -> None:
+    result = benchlib.read_result(out / "quant.json")
     benchlib.write_markdown(out / "quant.md", markdown(result))
     plot(result, out / "quant.png")
     print(markdown(result))
@@ -236,20 +246,25 @@ def markdown(r: dict) -> str:
 
 
 def plot(r: dict, path: Path) -> None:
-    """Speed × quality: tok/s against dense at the highest concurrency, perplexity against dense."""
+    """Speed × quality: tok/s against dense at the highest concurrency, perplexity against dense.
+    Where nothing was served (--skip-serve), quality on both texts: c4 against WikiText-2."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     c = r["protocol"]["concurrency"].split(",")[-1]
+    served = any(x.get("serving", {}).get("vs_dense", {}).get(c) for x in r["variants"].values())
     fig, ax = plt.subplots(figsize=(6, 4.2))
     ax.plot([1.0], [1.0], "ks", label="dense bf16")
     for name, x in r["variants"].items():
         s = x.get("serving", {}).get("vs_dense", {}).get(c)
-        if s:
-            ax.plot([s["ratio"]], [x["wikitext2"] / r["dense"]["wikitext2"]], "o" if x["kind"] == "ours" else "^",
-                    label=name)
-    ax.set_xlabel(f"output tok/s × dense (concurrency {c})")
-    ax.set_ylabel("WikiText-2 perplexity × dense")
+        xy = ((s["ratio"], x["wikitext2"] / r["dense"]["wikitext2"]) if served and s else
+              (x["wikitext2"] / r["dense"]["wikitext2"], x["c4"] / r["dense"]["c4"]) if not served and "c4" in x
+              else None)
+        if xy:
+            ax.plot([xy[0]], [xy[1]], "o" if x["kind"] == "ours" else "^",
+                    label=name + (f" ({x['chosen']})" if "chosen" in x else ""))
+    ax.set_xlabel(f"output tok/s × dense (concurrency {c})" if served else "WikiText-2 perplexity × dense")
+    ax.set_ylabel("WikiText-2 perplexity × dense" if served else "c4 perplexity × dense")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
