@@ -87,7 +87,9 @@ def _common(tiny_dirs, text_file, eval_file):
 
 
 @pytest.mark.slow
-def test_optimize_without_retain_searches_and_ships_the_chosen_candidate(tiny_dirs, text_file, eval_file, tmp_path):
+def test_optimize_without_retain_searches_and_ships_the_chosen_candidate(tiny_dirs, text_file, eval_file, tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setenv("OPTIMIZER_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "pkg"
     r = _run([*_common(tiny_dirs, text_file, eval_file), "--max-loss", "50%", "--heal-tokens", "512", "--set", "heal.chat=0",
               "-o", out], tmp_path)
@@ -107,6 +109,8 @@ def test_optimize_without_retain_searches_and_ships_the_chosen_candidate(tiny_di
     assert (m.get("quantization") or {}).get("precision", "none") == c["precision"]
     assert ("heal" in m) == (c["structure"] != "dense")  # nothing removed: nothing healed
     assert "## Search" in (out / "report.md").read_text()
+    # the package is in place: no search record, no heal checkpoint left to resume
+    assert not [p.name for p in (tmp_path / "cache" / "runs").glob("*")]
 
 
 def test_the_search_never_ships_over_its_budget(tiny_dirs, text_file, eval_file, tmp_path):
