@@ -172,6 +172,7 @@ class Request:
     cancelled: bool = False
     generated: list[int] = field(default_factory=list)
     pos: int = 0          # next position id = tokens in the context so far
+    used: int | None = None  # the tokens the answer's text came from (a stop string: fewer than generated)
 
 
 class Engine:
@@ -393,6 +394,8 @@ class Service:
                              f"asks for {len(ids) + max_tokens} ({len(ids)} prompt + {max_tokens} completion)")
         stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         options = body.stream_options
+        if options is not None and not body.stream:  # as vLLM answers it
+            raise BadRequest("Stream options can only be defined when `stream=True`.")
         if options is not None and options.continuous_usage_stats:
             raise BadRequest("'stream_options.continuous_usage_stats' is not supported by this server")
         sampling = {"temperature": 1.0 if body.temperature is None else body.temperature,
@@ -472,24 +475,51 @@ def _chat_template(package: Path) -> tuple[ChatTemplate | None, str | None]:
 
 
 class Detokenizer:
-    """Text of the generated ids so far, released only when it does not end in a partial character."""
+    """The generated ids as text, a piece a token, without decoding everything again each time.
+
+    As vLLM's incremental detokenizer: each token is decoded in a short window of the tokens
+    before it (`prefix`..`read` decoded to text already released), so that spaces and merges
+    come out as the whole decode writes them; a window whose text ends in a partial character
+    (U+FFFD) waits for the next token. Text is held back by one character less than the longest
+    stop string, so that a stop string split across tokens is never partly sent."""
 
     def __init__(self, tokenizer, stop: list[str]):
-        self.tok, self.stop, self.ids, self.sent = tokenizer, stop, [], ""
+        self.tok, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+        self.held = ""                     # decoded, not yet released (a stop string may start in it)
+        self.stopped_by: str | None = None  # the stop string that ended the text
+        self.used = 0                       # the tokens the released text came from (usage counts these)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
 
     def add(self, token: int) -> tuple[str, bool]:
         """The new text to send, and whether a stop string was reached (text cut before it)."""
         self.ids.append(token)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        for s in self.stop:
-            i = text.find(s, max(0, len(self.sent) - len(s) + 1))
-            if i >= 0:
-                delta, self.sent = text[len(self.sent):i], text[:i]
-                return delta, True
-        if text.endswith("\ufffd"):
+        before, now = self._decode(self.ids[self.prefix:self.read]), self._decode(self.ids[self.prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
             return "", False
-        delta, self.sent = text[len(self.sent):], text
-        return delta, False
+        self.prefix, self.read = self.read, len(self.ids)
+        return self._release(now[len(before):], final=False)
+
+    def flush(self) -> tuple[str, bool]:
+        """At the end: what was held back, and a partial character's replacement (as vLLM sends it)."""
+        before, now = self._decode(self.ids[self.prefix:self.read]), self._decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return self._release(now[len(before):], final=True)
+
+    def _release(self, text: str, final: bool) -> tuple[str, bool]:
+        pending = self.held + text
+        found = [(i, s) for s in self.stop if (i := pending.find(s)) >= 0]
+        if found:
+            i, self.stopped_by = min(found)
+            self.held, self.used = "", len(self.ids)
+            return pending[:i], True
+        cut = len(pending) if final else max(0, len(pending) - self.hold)
+        self.held, self.used = pending[cut:], len(self.ids)
+        return pending[:cut], False
 
 
 def saturates_full_int8_grid(flags: set[str]) -> bool:
@@ -904,7 +934,8 @@ class GenerationResponse(Response):
             front.metrics.generation_tokens += len(req.generated)
 
     async def _events(self, req: Request, events: asyncio.Queue, note: dict):
-        """(text delta, finish_reason or None) until the request finishes."""
+        """(text delta, finish_reason or None, the stop string that finished it or None) until the
+        request finishes."""
         detok = Detokenizer(self.front.service.tokenizer, self.job.stop)
         while True:
             kind, value = await events.get()
@@ -913,15 +944,17 @@ class GenerationResponse(Response):
             if kind == "error":
                 raise _EngineFailed(value)
             if kind == "done":
-                yield "", value
+                delta, stopped = detok.flush()
+                req.used = detok.used
+                yield delta, "stop" if stopped else value, detok.stopped_by
                 return
             note.setdefault("ttft", time.perf_counter() - note["t0"])
             delta, stopped = detok.add(value)
             if stopped:
-                req.cancelled = True
-                yield delta, "stop"
+                req.cancelled, req.used = True, detok.used  # the engine may be a token ahead: not counted
+                yield delta, "stop", detok.stopped_by
                 return
-            yield delta, None
+            yield delta, None, None
 
     async def _send(self, send, message: dict) -> None:
         """send, bounded: a client that stops reading fills the socket's buffers and uvicorn's send
@@ -932,15 +965,15 @@ class GenerationResponse(Response):
             raise _ClientGone(f"the client stopped reading for {self.front.limits.write_timeout:g} s") from None
 
     async def _whole(self, send, req: Request, events: asyncio.Queue, note: dict) -> None:
-        text, reason = [], None
+        text, reason, stop = [], None, None
         try:
-            async for delta, reason in self._events(req, events, note):
+            async for delta, reason, stop in self._events(req, events, note):
                 text.append(delta)
         except _EngineFailed as e:
             status, obj = 500, {"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}}
             note["error"] = str(e)
         else:
-            status, obj = 200, self._shape(text="".join(text), reason=reason, usage=_usage(req))
+            status, obj = 200, self._shape(text="".join(text), reason=reason, stop=stop, usage=_usage(req))
         data = json.dumps(obj).encode()
         await self._send(send, {"type": "http.response.start", "status": status,
                                 "headers": [(b"content-type", b"application/json"),
@@ -959,10 +992,11 @@ class GenerationResponse(Response):
         if self.kind == "chat":  # vLLM and OpenAI open a chat stream with the role
             await event(self._shape(delta={"role": "assistant", "content": ""}, reason=None))
         try:
-            async for delta, reason in self._events(req, events, note):
+            async for delta, reason, stop in self._events(req, events, note):
                 # a choice only with text or a finish reason (serve/loadgen.py's TTFT reads the first choice)
                 if delta or reason:
-                    await event(self._shape(text=delta, delta={"content": delta} if delta else {}, reason=reason))
+                    await event(self._shape(text=delta, delta={"content": delta} if delta else {}, reason=reason,
+                                            stop=stop))
         except _EngineFailed as e:
             note["error"] = str(e)
             await event({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
@@ -971,18 +1005,20 @@ class GenerationResponse(Response):
         await event("[DONE]")
         await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
 
-    def _shape(self, reason: str | None, text: str = "", delta: dict | None = None, usage: dict | None = None) -> dict:
-        """A response or chunk as vLLM's OpenAI server shapes it."""
+    def _shape(self, reason: str | None, text: str = "", delta: dict | None = None, usage: dict | None = None,
+               stop: str | None = None) -> dict:
+        """A response or chunk as vLLM's OpenAI server shapes it; `stop_reason` is the stop string
+        that ended the text (null for the end-of-sequence token or the length)."""
         if self.kind == "chat" and self.job.stream:
             obj, choice = "chat.completion.chunk", {"index": 0, "delta": delta or {}, "logprobs": None,
-                                                   "finish_reason": reason}
+                                                   "finish_reason": reason, "stop_reason": stop}
         elif self.kind == "chat":
             obj, choice = "chat.completion", {"index": 0, "message": {"role": "assistant", "content": text,
                                                                       "tool_calls": []},
-                                              "logprobs": None, "finish_reason": reason, "stop_reason": None}
+                                              "logprobs": None, "finish_reason": reason, "stop_reason": stop}
         else:
             obj, choice = "text_completion", {"index": 0, "text": text, "logprobs": None, "finish_reason": reason,
-                                              "stop_reason": None}
+                                              "stop_reason": stop}
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.front.service.name,
                "choices": [choice]}
         if usage is not None:
@@ -1002,7 +1038,7 @@ async def _watch_disconnect(receive, req: Request, events: asyncio.Queue) -> Non
 
 
 def _usage(req: Request) -> dict:
-    n, m = len(req.prompt), len(req.generated)
+    n, m = len(req.prompt), req.used if req.used is not None else len(req.generated)
     return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
 

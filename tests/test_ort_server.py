@@ -148,6 +148,75 @@ def test_greedy_answers_are_the_engines(server, tokenizer):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
 
 
+def _pieces(detok, ids: list[int]) -> tuple[list[str], bool]:
+    out = []
+    for t in ids:
+        delta, stopped = detok.add(t)
+        out.append(delta)
+        if stopped:
+            return out, True
+    delta, stopped = detok.flush()
+    return out + [delta], stopped
+
+
+def test_the_detokenizer_writes_what_the_whole_decode_writes(tokenizer):
+    """Piece by piece (each token decoded in a short window, not all again) the text is the whole
+    decode's: spaces, merges, characters split across tokens (released whole, or as U+FFFD when
+    the answer ends inside one, as vLLM sends it), random ids included."""
+    import random
+
+    from runtime.ort_server import Detokenizer
+    tok = tokenizer.backend_tokenizer  # the `tokenizers` object the server uses
+    rng = random.Random(0)
+    texts = ["The capital of France is Paris.  Its   spaces\n\nand lines", "naïve café — 東京 🙂🙂 x",
+             "def f(x):\n    return x ** 2"]
+    cases = [tok.encode(t).ids for t in texts]
+    cases += [[rng.randrange(tok.get_vocab_size()) for _ in range(40)] for _ in range(20)]
+    emoji = tok.encode("🙂").ids
+    assert len(emoji) > 1  # a character split across tokens
+    cases.append(tok.encode("ok ").ids + emoji[:-1])  # the answer ends inside it
+    for ids in cases:
+        pieces, stopped = _pieces(Detokenizer(tok, []), ids)
+        assert not stopped and "".join(pieces) == tok.decode(ids, skip_special_tokens=True), ids
+    assert _pieces(Detokenizer(tok, []), cases[-1])[0][-1].endswith("\ufffd")
+
+
+def test_a_stop_string_split_across_tokens_is_never_partly_sent(tokenizer):
+    from runtime.ort_server import Detokenizer
+    tok = tokenizer.backend_tokenizer
+    text = "Hello there, general Kenobi. You are a bold one."
+    ids = tok.encode(text).ids
+    for stop in ["general Kenobi", "o", "bold one.", ". Y", "absent"]:
+        detok = Detokenizer(tok, ["zzz", stop])
+        pieces, stopped = _pieces(detok, ids)
+        i = text.find(stop)
+        assert "".join(pieces) == (text[:i] if i >= 0 else text) and stopped == (i >= 0)
+        if stopped:
+            assert detok.stopped_by == stop
+            # the tokens used: as many as it took the whole decode to contain the stop string
+            assert detok.used == next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
+
+
+def test_a_stop_string_ends_the_answer_with_its_reason_and_usage(server, tokenizer):
+    port, model, _ = server
+    ids = tokenizer("The capital of France is")["input_ids"]
+    gen = _hf_greedy(model, ids, 24)
+    want = tokenizer.decode(gen, skip_special_tokens=True)
+    stop = want[len(want) // 2:len(want) // 2 + 3]
+    used = next(k for k in range(1, len(gen) + 1) if stop in tokenizer.decode(gen[:k], skip_special_tokens=True))
+    body = {"prompt": ids, "max_tokens": 24, "min_tokens": 24, "ignore_eos": True, "temperature": 0, "stop": stop}
+    _, whole = _post(port, "/v1/completions", body)
+    choice = whole["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (want[:want.index(stop)], "stop", stop)
+    assert whole["usage"]["completion_tokens"] == used
+    _, events = _post(port, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want[:want.index(stop)]
+    assert chunks[-2]["choices"][0]["stop_reason"] == stop and chunks[-1]["usage"]["completion_tokens"] == used
+    _, plain = _post(port, "/v1/completions", {**body, "stop": None})
+    assert plain["choices"][0]["stop_reason"] is None and plain["usage"]["completion_tokens"] == 24
+
+
 def test_chat_renders_the_packages_template(server, tokenizer):
     port, model, _ = server
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -263,6 +332,8 @@ BAD = [
     ("min_tokens over max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400,
      "min_tokens"),
     ("unknown field", "/v1/completions", {"prompt": "x", "temprature": 0}, 400, "temprature: unknown field"),
+    ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     400, "only be defined when `stream=True`"),
     ("unsupported n", "/v1/completions", {"prompt": "x", "n": 2}, 400, "'n' = 2 is not supported"),
     ("unsupported penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("another model", "/v1/completions", {"prompt": "x", "model": "other"}, 404, "does not exist"),
