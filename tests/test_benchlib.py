@@ -332,27 +332,3 @@ def test_onnx_table_names_a_greedy_parting_at_a_near_tie():
     run["levels"][0]["validation"]["as_written"] = manifest["checks"]["onnx"]["as_written"]
     assert ("; the QDQ graph as written, rounding as onnxruntime did at 8 near-ties of 2,280,960 quantized values: "
             "8.94e-05 / 4.01e-05, caches 1.14e-05") in onnx_script._markdown(run)
-
-
-def test_heal_extrapolate_fits_a_line_and_rebuilds_the_committed_figures():
-    extra = _load_script("heal_extrapolate")
-    a, b, se = extra.line([1, 2, 3], [5.0, 4.0, 3.0])  # exactly y = 6 - x
-    assert (a, b) == pytest.approx((6.0, -1.0)) and se == pytest.approx(0.0, abs=1e-12)
-    assert extra.line([1, 2], [1.0, 3.0])[2] is None  # two points: no error to give
-    # the committed run, from the same finished heal runs
-    folder = ROOT / "bench/results/heal/2026-12-06-64ddca7-extrapolation"
-    kept = json.loads((folder / "extrapolation.json").read_text())
-    again = json.loads(json.dumps([extra.analyse(name, points) for name, points in extra.SERIES]))
-
-    def numbers(x, path=""):  # every leaf, by its path: the structure must match, the floats to rounding
-        if isinstance(x, dict):
-            return {k: v for key, val in x.items() for k, v in numbers(val, f"{path}/{key}").items()}
-        if isinstance(x, list):
-            return {k: v for i, val in enumerate(x) for k, v in numbers(val, f"{path}/{i}").items()}
-        return {path: x}
-    got, want = numbers(again), numbers(kept["series"])
-    floats = {k for k, v in want.items() if isinstance(v, float)}
-    assert got.keys() == want.keys() and all(got[k] == want[k] for k in want.keys() - floats)
-    assert {k: got[k] for k in floats} == pytest.approx({k: want[k] for k in floats}, rel=1e-9)
-    first = again[0]["wikitext2_x"]
-    assert first["line_drop_per_doubling"] > 0 and 1.8e6 < first["tokens_to_reach"]["1.4"] < 1.9e6
