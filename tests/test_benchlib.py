@@ -332,3 +332,27 @@ def test_onnx_table_names_a_greedy_parting_at_a_near_tie():
     run["levels"][0]["validation"]["as_written"] = manifest["checks"]["onnx"]["as_written"]
     assert ("; the QDQ graph as written, rounding as onnxruntime did at 8 near-ties of 2,280,960 quantized values: "
             "8.94e-05 / 4.01e-05, caches 1.14e-05") in onnx_script._markdown(run)
+
+
+# --- plots: every maintained benchmark's run gets one, a view of its table --------------------------
+
+VIEWS = ["sparse-peer-fixed/sparse.md", "spine/2026-12-02-gemma3-270m/spine.md", "moe/2026-12-04-321f420/moe.md",
+         "heal-memory/2026-12-02-28c2d8e-dirty/heal-memory.md", "onnx/2026-12-06-c01e3c5-int8/onnx.md",
+         "vllm-profile/2026-12-05-2a981cf/profile.md", "ddp/ddp-params.md"]
+
+
+def test_table_columns_reads_a_views_numbers():
+    labels, columns = benchlib.table_columns("text\n\n| model | PPL | note | ratio |\n|---|---:|---|---:|\n"
+                                             "| **dense** | 20.51 | fine | — |\n| `r0.70` | 1,448.5 | x | 1.33× (1.29×) |\n")
+    assert labels == ["dense", "r0.70"]
+    assert columns == {"PPL": [20.51, 1448.5], "ratio": [None, 1.33]}
+    assert benchlib.table_columns("no table") == ([], {})
+
+
+@pytest.mark.parametrize("view", VIEWS)
+def test_plot_table_draws_each_benchmarks_committed_view(view, tmp_path):
+    text = (benchlib.RESULTS / view).read_text()
+    assert benchlib.table_columns(text)[1], view  # the view has numbers to plot
+    path = benchlib.plot_table(text, tmp_path / "x.png", view)
+    assert path == tmp_path / "x.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["x.png"]  # no temporary left
