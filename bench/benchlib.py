@@ -9,7 +9,7 @@ date and the commit, `-2`, `-3`... when that folder exists. A JSON result is wri
 (`write_result`), or grown (`update_result`): rows and keys may be added to it — by the same
 process as it goes, or by several processes given the same `--out` — but a value already in
 the file is never replaced; the script stops instead. Markdown tables are views of a run's JSON,
-rebuilt from it (`write_markdown`).
+rebuilt from it (`write_markdown`), and so are the plots (`plot_table`, or a script's own).
 
 Only the standard library is imported here: bench/peer_llmcompressor.py imports this module in
 the peer's own virtual environment, where the product is not installed. The product's public
@@ -289,6 +289,63 @@ def markdown_table(header: Sequence, rows: Iterable[Sequence], align: str | Sequ
         return "| " + " | ".join("—" if c is None else str(c) for c in cells) + " |"
 
     return "\n".join([row(header), "|" + "|".join(_ALIGN[a] for a in align) + "|", *map(row, rows)])
+
+
+def table_columns(markdown: str) -> tuple[list[str], dict[str, list[float | None]]]:
+    """The first table of a markdown view: its row labels (first cells) and, per column whose cells
+    hold numbers, the first number of each cell (None where a cell has none: "—", text)."""
+    import re
+    lines = [line for line in markdown.splitlines()]
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
+    if start is None:
+        return [], {}
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        block.append([c.strip() for c in line.strip().strip("|").split("|")])
+    header, body = block[0], [row for row in block[2:] if len(row) == len(block[0])]
+    labels = [re.sub(r"\*\*|`", "", row[0]) for row in body]
+    columns = {}
+    for k, name in enumerate(header[1:], start=1):
+        values = []
+        for row in body:
+            m = re.search(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", row[k].replace(",", ""))
+            values.append(float(m.group()) if m else None)
+        if any(v is not None for v in values):
+            columns[name] = values
+    return labels, columns
+
+
+def plot_table(markdown: str, path: str | Path, title: str) -> Path | None:
+    """A run's plot: every numeric column of its markdown view's first table, one panel a column
+    (their scales differ), a bar a row. A view of the table, rebuilt with it; None without a table
+    or without matplotlib (the peer's environment)."""
+    labels, columns = table_columns(markdown)
+    if not columns:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    n = len(columns)
+    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 0.35 * len(labels) + 1.6), sharey=True, squeeze=False)
+    for ax, (name, values) in zip(axes[0], columns.items()):
+        ax.barh(range(len(labels)), [v if v is not None else 0 for v in values], color="#4c72b0")
+        ax.set_title(name, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.invert_yaxis()
+    axes[0][0].set_yticks(range(len(labels)), [label[:40] for label in labels])
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = _tmp(path).with_suffix(".png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
 
 
 # --- serving figures --------------------------------------------------------------------------------

@@ -129,6 +129,7 @@ def main() -> None:
         results["levels"][f.stem.rsplit("-r", 1)[1]] = json.loads(f.read_text())["runs"]
     md = _markdown(results)
     benchlib.write_markdown(out / f"ddp-{args.budget}.md", md)
+    benchlib.plot_table(md, out / f"ddp-{args.budget}.png", "DDP against the one-shot method")
     print(md)
 
 

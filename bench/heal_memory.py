@@ -1,8 +1,9 @@
 """Heal's memory: each part measured on SmolLM2, per --heal-memory recipe, and scaled to an 8B
 model by formula (docs/heal.md, "Memory").
 
-    optimize --method activation --retain 0.7 --no-heal --set data.eval_windows=1 -o out/heal-memory-student
-    python bench/heal_memory.py out/heal-memory-student
+    python bench/heal_memory.py                        # builds the student first (out/heal-memory-student)
+    python bench/heal_memory.py out/heal-memory-student  # or measures a student built before:
+    # optimize --method activation --retain 0.7 --no-heal --set data.eval_windows=1 -o out/heal-memory-student
 
 For each recipe — fast (AdamW, every activation kept, the teacher in fp32) and lean (Adafactor,
 activations recomputed per block, the teacher in bf16) — one heal step on one sequence of
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -37,18 +40,26 @@ LLAMA_8B = {"name": "LLaMA-3.1-8B", "params": 8.03e9, "vocab_params": 2 * 128256
 RECIPES = {"fast": {"optimizer": "adamw", "checkpointing": False, "teacher": "float32"},
            "lean": {"optimizer": "adafactor", "checkpointing": True, "teacher": "bfloat16"}}
 # torch.profiler's memory categories, in the order of its timeline's columns (after a leading 0)
+STUDENT = "out/heal-memory-student"
 CATEGORIES = ["parameter", "optimizer_state", "input", "temporary", "activation", "gradient", "autograd_detail",
               "unknown"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("student", help="a pruned package of the embedded model (optimize --no-heal)")
+    ap.add_argument("student", nargs="?", default=STUDENT,
+                    help=f"a pruned package of the embedded model (optimize --no-heal); default {STUDENT}, built when missing")
     ap.add_argument("--tokens", type=int, default=1024, help="tokens of the profiled sequence (heal's default)")
     ap.add_argument("--scaled-tokens", type=int, default=2048, help="tokens a sequence on the 8B model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", help="run folder (default: a new bench/results/heal-memory/DATE-COMMIT)")
     args = ap.parse_args()
+    if not Path(args.student).exists():
+        if args.student != STUDENT:
+            raise SystemExit(f"error: {args.student}: no such package")
+        # the student every figure of docs/heal.md's memory table was measured on
+        subprocess.run([str(Path(sys.executable).with_name("optimize")), "--method", "activation", "--retain", "0.7",
+                        "--no-heal", "--set", "data.eval_windows=1", "-o", STUDENT], check=True)
 
     import torch
 
@@ -86,6 +97,7 @@ def main() -> None:
     out = benchlib.run_dir("heal-memory", args.out)
     benchlib.write_result(out / "heal-memory.json", result)
     benchlib.write_markdown(out / "heal-memory.md", markdown(result))
+    benchlib.plot_table(markdown(result), out / "heal-memory.png", "a heal step's memory, SmolLM2-135M")
     print(markdown(result))
 
 

@@ -103,6 +103,7 @@ def main() -> None:
         row["serving"] = benchlib.serving_figures(summary, row["roofline"]["decode_speedup_b16"])
         benchlib.update_result(path, results)
     benchlib.write_markdown(out / "moe.md", _markdown(results))
+    benchlib.plot_table(_markdown(results), out / "moe.png", "MoE experts removed, served by vLLM")
     print(_markdown(results))
 
 

@@ -130,6 +130,7 @@ def main() -> None:
         level["serving"] = benchlib.serving_figures(summary, level["ideal_ratio"])
         benchlib.update_result(path, results)
     benchlib.write_markdown(out / "onnx.md", _markdown(results))
+    benchlib.plot_table(_markdown(results), out / "onnx.png", "ONNX packages on onnxruntime")
     print(_markdown(results))
 
 

@@ -154,6 +154,7 @@ def main() -> None:
         results["runs"][PEER_RUN] = {**_finish_peer(*peer, evalw), **run_info}
         results = _save(results, path)
     benchlib.write_markdown(out / "sparse.md", table(results))
+    benchlib.plot_table(table(results), out / "sparse.png", "semi-structured pruning against llm-compressor")
     print(table(results))
 
 

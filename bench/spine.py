@@ -105,6 +105,7 @@ def main() -> None:
         level["serving"] = benchlib.serving_figures(summary, level["ideal_ratio"], level["weight_bytes"])
         benchlib.update_result(path, results)
     benchlib.write_markdown(out / "spine.md", _markdown(results))
+    benchlib.plot_table(_markdown(results), out / "spine.png", "structured pruning served by vLLM")
     print(_markdown(results))
 
 

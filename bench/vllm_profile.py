@@ -188,6 +188,7 @@ def main() -> None:
         raise
     benchlib.write_result(target, result)
     benchlib.write_markdown(out / "profile.md", markdown(result))
+    benchlib.plot_table(markdown(result), out / "profile.png", "where a vLLM decode step goes")
     print(markdown(result))
 
 

@@ -334,25 +334,25 @@ def test_onnx_table_names_a_greedy_parting_at_a_near_tie():
             "8.94e-05 / 4.01e-05, caches 1.14e-05") in onnx_script._markdown(run)
 
 
-def test_heal_extrapolate_fits_a_line_and_rebuilds_the_committed_figures():
-    extra = _load_script("heal_extrapolate")
-    a, b, se = extra.line([1, 2, 3], [5.0, 4.0, 3.0])  # exactly y = 6 - x
-    assert (a, b) == pytest.approx((6.0, -1.0)) and se == pytest.approx(0.0, abs=1e-12)
-    assert extra.line([1, 2], [1.0, 3.0])[2] is None  # two points: no error to give
-    # the committed run, from the same finished heal runs
-    folder = ROOT / "bench/results/heal/2026-12-06-64ddca7-extrapolation"
-    kept = json.loads((folder / "extrapolation.json").read_text())
-    again = json.loads(json.dumps([extra.analyse(name, points) for name, points in extra.SERIES]))
+# --- plots: every maintained benchmark's run gets one, a view of its table --------------------------
 
-    def numbers(x, path=""):  # every leaf, by its path: the structure must match, the floats to rounding
-        if isinstance(x, dict):
-            return {k: v for key, val in x.items() for k, v in numbers(val, f"{path}/{key}").items()}
-        if isinstance(x, list):
-            return {k: v for i, val in enumerate(x) for k, v in numbers(val, f"{path}/{i}").items()}
-        return {path: x}
-    got, want = numbers(again), numbers(kept["series"])
-    floats = {k for k, v in want.items() if isinstance(v, float)}
-    assert got.keys() == want.keys() and all(got[k] == want[k] for k in want.keys() - floats)
-    assert {k: got[k] for k in floats} == pytest.approx({k: want[k] for k in floats}, rel=1e-9)
-    first = again[0]["wikitext2_x"]
-    assert first["line_drop_per_doubling"] > 0 and 1.8e6 < first["tokens_to_reach"]["1.4"] < 1.9e6
+VIEWS = ["sparse-peer-fixed/sparse.md", "spine/2026-12-02-gemma3-270m/spine.md", "moe/2026-12-04-321f420/moe.md",
+         "heal-memory/2026-12-02-28c2d8e-dirty/heal-memory.md", "onnx/2026-12-06-c01e3c5-int8/onnx.md",
+         "vllm-profile/2026-12-05-2a981cf/profile.md", "ddp/ddp-params.md"]
+
+
+def test_table_columns_reads_a_views_numbers():
+    labels, columns = benchlib.table_columns("text\n\n| model | PPL | note | ratio |\n|---|---:|---|---:|\n"
+                                             "| **dense** | 20.51 | fine | — |\n| `r0.70` | 1,448.5 | x | 1.33× (1.29×) |\n")
+    assert labels == ["dense", "r0.70"]
+    assert columns == {"PPL": [20.51, 1448.5], "ratio": [None, 1.33]}
+    assert benchlib.table_columns("no table") == ([], {})
+
+
+@pytest.mark.parametrize("view", VIEWS)
+def test_plot_table_draws_each_benchmarks_committed_view(view, tmp_path):
+    text = (benchlib.RESULTS / view).read_text()
+    assert benchlib.table_columns(text)[1], view  # the view has numbers to plot
+    path = benchlib.plot_table(text, tmp_path / "x.png", view)
+    assert path == tmp_path / "x.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["x.png"]  # no temporary left
