@@ -65,8 +65,8 @@ def builtin_text(part: str) -> Text | None:
 
 
 # exllamav2's other samples (children's stories, technical prose, code, several languages): the
-# default heal reads all but their last 10%, which bench/heal_select.py holds out to choose the heal's
-# settings on. c4.utf8 is not among them: it is an evaluation text.
+# default heal reads all but their last 10%, held out: the heal's settings were chosen on it
+# (docs/history.md). c4.utf8 is not among them: it is an evaluation text.
 HEAL_SAMPLES = ("tiny.utf8", "technical.utf8", "code.utf8", "multilingual.utf8")
 
 

@@ -134,7 +134,7 @@ ORT_INT8 = {"dynamic": "onnxruntime dynamic INT8 (int8 per-channel weights, uint
 
 # The projections onnxruntime gets in INT8. Not down_proj: its input (the gated MLP product) holds
 # the model's massive activations, hundreds of times its typical values, and one scale per tensor
-# then leaves most of it a few uint8 steps (SmolLM2-135M at 0.7: measured, bench/results/README.md).
+# then leaves most of it a few uint8 steps (SmolLM2-135M at 0.7: measured, docs/history.md).
 ORT_INT8_ROLES = ("q", "k", "v", "o", "gate", "up")
 
 

@@ -404,7 +404,7 @@ def test_the_default_heal_budget_and_chat_answers(tokenizer):
 @pytest.mark.slow
 def test_the_default_heal_text_adds_the_built_in_samples_to_the_built_in_corpus_only(tokenizer):
     """Without --heal-data: the built-in calibration half and the first 90% of exllamav2's other samples
-    (their last 10% is what bench/heal_select.py scores heal settings on); a user's --calib alone."""
+    (their last 10% held out: the heal's settings were chosen on it); a user's --calib alone."""
     from types import SimpleNamespace
 
     from optimizer import data
