@@ -5,6 +5,8 @@
     .venv/bin/python bench/quant.py --variants dense-int8 --zeroshot-limit 0 --skip-serve --eval-windows 1
     .venv/bin/python bench/quant.py --variants search dense-w4a16 w0.90-int8 peer-plain peer-sq-gptq  # the search's
                                                  # choice and its neighbours on the frontier (issue 59)
+    .venv/bin/python bench/quant.py --variants peer-sq-gptq --add-zeroshot --out RUN   # zero-shot of a row measured
+                                                 # without it (--zeroshot-limit 0), from its package
 
 Variants, each the product's own command at the commit it runs (so its default refit and heal) on the embedded SmolLM2-135M (`optimize --target a100`,
 the default heal where the package is pruned): dense-int8 (`--retain 1 --no-heal --quant int8`),
@@ -75,6 +77,8 @@ def main() -> None:
                     help="bench --interleave: both servers at once, measured in turn (paired ratios)")
     ap.add_argument("--skip-serve", action="store_true", help="quality only")
     ap.add_argument("--report-only", action="store_true", help="rewrite --out's table and plot from its quant.json")
+    ap.add_argument("--add-zeroshot", action="store_true",
+                    help="measure zero-shot (--zeroshot-limit documents) of --variants rows in --out that have none")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=str(benchlib.DATA))
     ap.add_argument("--out", help="run folder (default: a new bench/results/quant/DATE-COMMIT)")
@@ -126,7 +130,15 @@ def main() -> None:
 
     work = ROOT / "out" / "quant" / out.name  # packages stay out of git
     for name in args.variants:
-        if name in benchlib.read_result(path)["variants"]:
+        row = benchlib.read_result(path)["variants"].get(name)
+        if row is not None and args.add_zeroshot and "zeroshot" not in row and args.zeroshot_limit:
+            # a row measured without zero-shot (time) gets it from its package, as it was built
+            if not Path(row["package"]).is_dir():
+                raise SystemExit(f"error: {name}'s package {row['package']} is gone: measure it into a new run folder")
+            model, _ = load.load_model(load.resolve(row["package"]))
+            benchlib.update_result(path, {"variants": {name: {"zeroshot": _zeroshot(model, tok, args)}}})
+            del model
+        if row is not None:
             continue
         pkg = work / name
         shutil.rmtree(pkg, ignore_errors=True)
