@@ -267,7 +267,12 @@ def plot(r: dict, path: Path) -> None:
     served = any(x.get("serving", {}).get("vs_dense", {}).get(c) for x in r["variants"].values())
     fig, ax = plt.subplots(figsize=(6, 4.2))
     ax.plot([1.0], [1.0], "ks", label="dense bf16")
+    broken = [n for n, x in r["variants"].items() if x["wikitext2"] / r["dense"]["wikitext2"] > 10]
+    if broken:  # a package that broke the model would flatten every other point: named, not drawn
+        ax.set_title(f"not drawn, perplexity over 10× dense: {', '.join(broken)}", fontsize=8)
     for name, x in r["variants"].items():
+        if name in broken:
+            continue
         s = x.get("serving", {}).get("vs_dense", {}).get(c)
         xy = ((s["ratio"], x["wikitext2"] / r["dense"]["wikitext2"]) if served and s else
               (x["wikitext2"] / r["dense"]["wikitext2"], x["c4"] / r["dense"]["c4"]) if not served and "c4" in x
