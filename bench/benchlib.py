@@ -23,6 +23,7 @@ import datetime as _dt
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -294,8 +295,7 @@ def markdown_table(header: Sequence, rows: Iterable[Sequence], align: str | Sequ
 def table_columns(markdown: str) -> tuple[list[str], dict[str, list[float | None]]]:
     """The first table of a markdown view: its row labels (first cells) and, per column whose cells
     hold numbers, the first number of each cell (None where a cell has none: "—", text)."""
-    import re
-    lines = [line for line in markdown.splitlines()]
+    lines = markdown.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
     if start is None:
         return [], {}

@@ -40,9 +40,9 @@ LLAMA_8B = {"name": "LLaMA-3.1-8B", "params": 8.03e9, "vocab_params": 2 * 128256
 RECIPES = {"fast": {"optimizer": "adamw", "checkpointing": False, "teacher": "float32"},
            "lean": {"optimizer": "adafactor", "checkpointing": True, "teacher": "bfloat16"}}
 # torch.profiler's memory categories, in the order of its timeline's columns (after a leading 0)
-STUDENT = "out/heal-memory-student"
 CATEGORIES = ["parameter", "optimizer_state", "input", "temporary", "activation", "gradient", "autograd_detail",
               "unknown"]
+STUDENT = "out/heal-memory-student"  # built by main() when missing: the student docs/heal.md's memory table used
 
 
 def main() -> None:

@@ -132,26 +132,32 @@ def locators(fragment: str) -> list[str]:
     return [f"{prefix}.{p.strip()}" for p in rest.split(",") if p.strip()]
 
 
-def json_value(data, locator: str):
-    """The value at a dotted path; a key holding dots matches the longest run of parts it spells."""
+def json_place(data, locator: str):
+    """(container, key) of the value at a dotted path: keys, and list items by index; a key holding
+    dots matches the longest run of parts it spells."""
     parts = locator.split(".")
     node, i = data, 0
-    while i < len(parts):
+    while True:
         if isinstance(node, list):
             if not parts[i].isdigit() or int(parts[i]) >= len(node):
                 raise KeyError(".".join(parts[:i + 1]))
-            node, i = node[int(parts[i])], i + 1
-            continue
-        if not isinstance(node, dict):
-            raise KeyError(".".join(parts[:i + 1]))
-        for j in range(len(parts), i, -1):
+            key, j = int(parts[i]), i + 1
+        elif isinstance(node, dict):
+            j = next((j for j in range(len(parts), i, -1) if ".".join(parts[i:j]) in node), None)
+            if j is None:
+                raise KeyError(".".join(parts[:i + 1]))
             key = ".".join(parts[i:j])
-            if key in node:
-                node, i = node[key], j
-                break
         else:
             raise KeyError(".".join(parts[:i + 1]))
-    return node
+        if j == len(parts):
+            return node, key
+        node, i = node[key], j
+
+
+def json_value(data, locator: str):
+    """The value at a dotted path (json_place)."""
+    node, key = json_place(data, locator)
+    return node[key]
 
 
 def cell_value(text: str, locator: str) -> str:
@@ -322,18 +328,7 @@ def test_a_changed_cited_value_fails_the_readme(tmp_path):
     assert problems(copied) == []
     path, loc = first
     data = json.loads(path.read_text())
-    parent, key = data, None
-    parts = loc.split(".")
-    # walk to the value's container (keys holding dots: the longest match, as json_value reads them)
-    i = 0
-    while i < len(parts):
-        if isinstance(parent, list):
-            key, i = int(parts[i]), i + 1
-        else:
-            j = next(j for j in range(len(parts), i, -1) if ".".join(parts[i:j]) in parent)
-            key, i = ".".join(parts[i:j]), j
-        if i < len(parts):
-            parent = parent[key]
+    parent, key = json_place(data, loc)
     parent[key] = parent[key] * 1.01 + 0.5
     path.write_text(json.dumps(data))
     Cited._cache.clear()
