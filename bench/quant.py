@@ -17,7 +17,8 @@ and the two differ by the quantization alone), d0.70-int8 (`--method depth --ret
 kept, bench/vllm_profile.py), cpu0.70 (`optimize --target cpu --retain 0.7`: the cpu target's default, whose
 plan chooses the layout and the precision); search (`optimize --target a100` without --retain: the
 frontier search's choice, the row names the candidate) and its neighbours dense-w4a16 (`--retain 1
---no-heal --quant w4a16`) and w0.90-int8 (`--retain 0.9 --quant int8`, healed); and the peer's
+--no-heal --quant w4a16`) and w0.90-int8 (`--retain 0.9 --quant int8`, healed); dense-int8-head and
+search-head: dense-int8 and search with `--set quant_head=true` (the LM head INT8 too, untied); and the peer's
 W8A8 of the dense model in .venv-peer (bench/peer_quant.py): peer-plain (round to nearest, what a
 user gets in seconds) and peer-sq-gptq (SmoothQuant 0.8 + GPTQ), calibrated on the same 4 windows
 of the built-in corpus our smoothing uses. For each: perplexity on WikiText-2 test and on exllamav2's c4
@@ -58,7 +59,10 @@ OURS = {  # variant: (retain, heal, quant, method, target)
     "search": (None, True, "auto", "auto", "a100"),  # no --retain: the frontier search chooses (issue 59)
     "dense-w4a16": (1.0, False, "w4a16", "activation", "a100"),  # the search's neighbours on the frontier
     "w0.90-int8": (0.9, True, "int8", "activation", "a100"),
+    "dense-int8-head": (1.0, False, "int8", "activation", "a100"),  # quant_head: the LM head INT8 too
+    "search-head": (None, True, "auto", "auto", "a100"),  # the search with the head candidates (quant_head)
 }
+QUANT_HEAD = ("dense-int8-head", "search-head")
 VS_PEER = ("r0.70-int8", "d0.70-int8", "cpu0.70", "dense-int8")  # also served against peer-plain
 PEERS = {"peer-plain": "plain", "peer-sq-gptq": "smoothquant-gptq"}
 
@@ -146,12 +150,13 @@ def main() -> None:
         if name in OURS:
             retain, heal, quant, method, target = OURS[name]
             m = optimize(OptimizeConfig(model=args.model, target=target, method=method, retain=retain, out=str(pkg),
-                                        threads=args.threads, quant=quant, data=DataConfig(eval_windows=1),
+                                        threads=args.threads, quant=quant, quant_head=name in QUANT_HEAD, data=DataConfig(eval_windows=1),
                                         resume=True,  # r0.70-int8 resumes r0.70's finished heal: the same run
                                         heal=HealSettings() if heal else HealSettings(tokens=0)),
                          log=lambda *a: print(*a, flush=True))["manifest"]
             row = {"kind": "ours", "method": m.method["name"], "retain": retain, "heal": heal,
                    "quant": (m.quantization or {}).get("precision", "none"), "target": target,
+                   "head": (m.quantization or {}).get("head", "16-bit"),
                    "optimize_wall_s": round(time.time() - t0, 1),
                    "retain_achieved": m.method["retain_achieved"],
                    "weight_bytes": m.size.get("weight_bytes_quantized", m.size["bf16_bytes_pruned"]),

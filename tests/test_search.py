@@ -181,6 +181,16 @@ def test_a_healed_candidate_that_misses_the_budget_falls_back_to_one_with_nothin
     assert m["method"]["retain_requested"] == 1.0 and "heal" not in m
 
 
+def test_a_quantized_head_ranks_as_less_precise_than_its_precision_alone_and_apart_from_4_bit():
+    """The skip order's partial order: INT8 + LM head over the budget rules out nothing 4-bit
+    (a different loss), but rules out itself pruned; INT8 alone over it rules out INT8 + LM head."""
+    head = search.Candidate("dense", 1.0, "int8", head=True)
+    assert head.rank() == (1, 1) and head.label() == "no pruning, INT8 W8A8 + LM head"
+    worse_or_equal = lambda o, c: all(a <= b for a, b in zip(o.rank(), c.rank()))  # noqa: E731  (score's test)
+    assert not worse_or_equal(head, search.Candidate("dense", 1.0, "w4a16"))
+    assert worse_or_equal(search.Candidate("dense", 1.0, "int8"), head)
+
+
 def test_a_candidate_is_not_measured_where_a_more_intact_more_precise_one_is_over_already(monkeypatch):
     """Cheap proxies first: once width 90% in 16-bit is over the budget, width 90% quantized and every
     narrower width are not built; W4A16 of the dense model over it skips every pruned W4A16."""
@@ -232,6 +242,8 @@ def test_a_candidate_is_not_measured_where_a_more_intact_more_precise_one_is_ove
     (["--target", "h100"], ["FP8 W8A8"], ["blocks"]),
     (["--target", "a100", "--method", "depth"], ["| blocks 80%, INT8 W8A8 |"], ["width"]),
     (["--target", "a100", "--quant", "int8"], ["| width 90%, INT8 W8A8 |"], ["16-bit", "W4A16"]),
+    (["--target", "a100", "--set", "quant_head=true"], ["| no pruning, INT8 W8A8 |", "| width 90%, INT8 W8A8 + LM head |"],
+     ["16-bit + LM head", "W4A16 + LM head"]),
 ])
 def test_the_candidates_are_the_structures_and_precisions_the_target_serves(tokenizer, text_file, eval_file, tmp_path,
                                                                            args, has, lacks):

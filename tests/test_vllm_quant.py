@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from exporters import vllm as vllm_export
-from optimizer.quantize import apply
+from optimizer.quantize import apply, untie_head
 from tests.test_vllm_per_layer import NEW_TOKENS, PROMPTS, _small_model, _vllm_run, package_manifest
 
 pytestmark = pytest.mark.vllm
@@ -32,10 +32,13 @@ INT8_KERNEL = "Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int
 INT8_DTYPE = "bfloat16"
 
 
-def _tiny_int8_package(tokenizer, tmp_path):
-    """The tiny random LLaMA, its 3 × 7 block Linears INT8 W8A8, written as a vLLM package."""
+def _tiny_int8_package(tokenizer, tmp_path, head: bool = False):
+    """The tiny random LLaMA, its 3 × 7 block Linears INT8 W8A8 (`head`: and its LM head, untied),
+    written as a vLLM package."""
     model = _small_model("llama", len(tokenizer))
-    assert apply(model, "int8") == 3 * 7
+    if head:
+        untie_head(model)
+    assert apply(model, "int8", head=head) == 3 * 7 + head
     tmp = tmp_path / ".pkg.tmp"
     tmp.mkdir()
     manifest = package_manifest(vllm_export.engine_section("cpu", 256, "tiny-int8"))
@@ -49,6 +52,20 @@ def test_vllm_serves_an_int8_package_like_the_quantized_model(tokenizer, tmp_pat
     assert q["format"] == "int-quantized" and q["ignore"] == ["lm_head"]
     hf = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
     assert hf.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
+    _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, INT8_KERNEL, dtype=INT8_DTYPE)
+
+
+def test_vllm_serves_an_int8_package_with_its_lm_head_quantized_like_the_quantized_model(tokenizer, tmp_path):
+    """quant_head: the head untied and INT8 W8A8 under a config group of its own (targets `lm_head`,
+    the name vLLM's compressed-tensors loader matches; `Linear` does not match its ParallelLMHead),
+    the embedding bf16. Written from reading vLLM's source (docs/quantize.md); this test is its check."""
+    pkg = _tiny_int8_package(tokenizer, tmp_path, head=True)
+    config = json.loads((pkg / "config.json").read_text())
+    q = config["quantization_config"]
+    assert not config["tie_word_embeddings"] and q["ignore"] == []
+    assert [g["targets"] for g in q["config_groups"].values()] == [["Linear"], ["lm_head"]]
+    hf = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
+    assert hf.lm_head.weight.dtype == torch.int8 and hf.model.embed_tokens.weight.dtype != torch.int8
     _vllm_answers_like_transformers(pkg, tokenizer, tmp_path, INT8_KERNEL, dtype=INT8_DTYPE)
 
 

@@ -95,6 +95,10 @@ class DecoderAdapter:
         """The RMSNorms feeding attention and the MLP (SI folds input scales into their weights)."""
         return Norms(block.input_layernorm, block.post_attention_layernorm)
 
+    def final_norm(self, model) -> nn.Module:
+        """The RMSNorm after the last block, the LM head's input (a quantized head's smoothing folds into it)."""
+        return model.get_decoder().norm
+
     def input_widths(self, config) -> dict[str, int]:
         """Input features of the block's Linears, from the config alone (N:M checks before loading)."""
         return {"q/k/v/gate/up_proj": config.hidden_size,
