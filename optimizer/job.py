@@ -384,9 +384,10 @@ class Job:
         # model in the same precision)
         per_value = q.get("bytes_per_value", 2)
         lookup_bytes = per_value * size.get("lookup_params", 0)  # an untied input embedding: not streamed
+        lookup_bytes_pruned = per_value * size.get("lookup_params_pruned", size.get("lookup_params", 0))
         dense_bytes = per_value * size["params_dense"]
         return {**size, "weight_bytes_quantized": q["weight_bytes"],
-                "ideal_ratio_quantized": (dense_bytes - lookup_bytes) / (q["weight_bytes"] - lookup_bytes)}
+                "ideal_ratio_quantized": (dense_bytes - lookup_bytes) / (q["weight_bytes"] - lookup_bytes_pruned)}
 
 
 def dense_perplexity(model, windows: torch.Tensor, source: load.ModelSource) -> float:

@@ -17,7 +17,7 @@ from core.engines import DEFAULT_VLLM, installed_vllm_version  # noqa: F401  (th
 from core.errors import UserError
 from optimizer import registry
 from optimizer.adapters import BlockShape, DecoderAdapter
-from optimizer.profiles import QUANT_NAMES, Profile
+from optimizer.profiles import QUANT_NAMES, Profile, _parse_version
 from optimizer.quantize import HEAD_PRECISIONS
 
 # auto / structured → the planner's structured method: the one-shot activation method, then
@@ -95,6 +95,24 @@ class Plan:
                              f"a batch of 16 reads {e['touched_b16'][0]:.1f} → "
                              f"{e['touched_b16'][1]:.1f} experts a layer (uniform routing assumed)")
         return "\n".join(lines)
+
+
+# vLLM's compressed-tensors loader quantizes a ParallelLMHead from this version on (PR #37291)
+QUANT_HEAD_MIN_VLLM = "0.20.0"
+
+
+def _refuse_quant_head(plan: Plan, adapter: DecoderAdapter) -> None:
+    """quant_head needs a W8A8 precision, a model class whose vLLM implementation has a head of its
+    own, and a vLLM whose loader quantizes it."""
+    if plan.quant not in HEAD_PRECISIONS:
+        raise UserError(f"quant_head quantizes the LM head in W8A8, but {plan.quant_reason.removesuffix(' (--quant auto)')}")
+    if not adapter.vllm_head_module:
+        raise UserError(f"quant_head: vLLM computes {adapter.family}'s logits from its embedding (no LM head of its "
+                        f"own to quantize); drop quant_head")
+    version = _parse_version(plan.engine_version)
+    if version is not None and version < _parse_version(QUANT_HEAD_MIN_VLLM):
+        raise UserError(f"quant_head: vLLM {plan.engine_version} loads no quantized LM head (from "
+                        f"{QUANT_HEAD_MIN_VLLM} on); drop quant_head or name a newer --engine-version")
 
 
 def prefers_fewer_blocks(narrower: dict, fewer: dict, retain: float) -> bool:
@@ -210,8 +228,8 @@ def resolve(cfg, target: Profile, adapter, hf_config, fewer_blocks: bool = True,
     choose_quant(plan, cfg.quant, not_quantized=_not_quantized(cfg, plan, moe))
     if chosen_by:
         plan.quant_reason = plan.quant_reason.replace(f"--quant {cfg.quant} requested", chosen_by)
-    if cfg.quant_head and plan.quant not in HEAD_PRECISIONS:
-        raise UserError(f"quant_head quantizes the LM head in W8A8, but {plan.quant_reason.removesuffix(' (--quant auto)')}")
+    if cfg.quant_head:
+        _refuse_quant_head(plan, adapter)
     plan.quant_head = cfg.quant_head
     if plan.quant == "w4a16" and target.kind != "cpu":  # the cpu target refuses shapes its kernel cannot take
         plan.quant_reason += _marlin_note(hf_config.hidden_size)

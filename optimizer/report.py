@@ -41,7 +41,7 @@ def _quant_lines(m: Manifest) -> list[str]:
     per_value = q.get("bytes_per_value", 2)
     rest, dense = ("fp32", "fp32") if per_value == 4 else ("16-bit", "bf16")
     return [f"- quantization: {q['scheme']} ({q['precision']}: weights {q['weights']}, activations "
-            f"{q['activations']}; {', '.join(q['ignore'])} and the embedding {rest}), {q['linears']} Linear "
+            f"{q['activations']}; {_kept_unquantized(q, rest)}), {q['linears']} Linear "
             f"layers; weights {size['weight_bytes_quantized'] / 1e6:.0f} MB against the dense model's "
             f"{per_value * size['params_dense'] / 1e6:.0f} MB in {dense} (ideal speedup from bytes: "
             f"{size['ideal_ratio_quantized']:.2f}x)"] + [
@@ -239,3 +239,11 @@ def render_sparse(m: Manifest) -> str:
     ]
     lines += ["", "## Plan", "", "```", m.plan.text, "```"]
     return "\n".join(lines)
+
+
+def _kept_unquantized(q: dict, rest: str) -> str:
+    """What the quantization section leaves in `rest` precision: the head and the embedding, or with
+    quant_head the embedding alone (the head untied from it)."""
+    if q.get("head", "16-bit") != "16-bit":
+        return f"the LM head too, untied; {', '.join(q['ignore'] + ['the embedding'])} {rest}"
+    return f"{', '.join(q['ignore'])} and the embedding {rest}"

@@ -168,12 +168,21 @@ def size_section(model, pruned, block_params_dense: int, block_params_pruned: in
     dense_params = sum(p.numel() for p in model.parameters())
     pruned_params = sum(p.numel() for n, p in pruned.named_parameters() if not n.endswith(QUANT_PARAMS))
     # An untied input embedding is looked up, not streamed, at each decode step: it is in the
-    # parameters but not in the ideal ratio (a tied one is read as the LM head).
-    lookup = 0 if model.config.tie_word_embeddings else model.get_input_embeddings().weight.numel()
+    # parameters but not in the ideal ratio (a tied one is read as the LM head). Each side its own:
+    # quant_head unties the package's head from a tied dense model's embedding.
+    lookup, lookup_pruned = _lookup_params(model), _lookup_params(pruned)
     return {"params_dense": dense_params, "params_pruned": pruned_params, "lookup_params": lookup,
+            "lookup_params_pruned": lookup_pruned,
             "block_params_dense": block_params_dense, "block_params_pruned": block_params_pruned,
             "bf16_bytes_dense": 2 * dense_params, "bf16_bytes_pruned": 2 * pruned_params,
-            "ideal_ratio": (dense_params - lookup) / (pruned_params - lookup)}
+            "ideal_ratio": (dense_params - lookup) / (pruned_params - lookup_pruned)}
+
+
+def _lookup_params(model) -> int:
+    """The input embedding's parameters where it is not also the LM head (only looked up), else 0."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    return 0 if tied else embedding.weight.numel()
 
 
 # --- the methods' stages ---------------------------------------------------------------------------

@@ -245,6 +245,11 @@ def test_optimize_with_quant_head_writes_an_untied_int8_head_that_reads_back_as_
     assert q["ignore"] == [] and [g["targets"] for g in q["config_groups"].values()] == [["Linear"], ["lm_head"]]
     m = json.loads((out / "manifest.json").read_text())
     assert m["quantization"]["linears"] == 15 and m["quantization"]["head"].startswith("W8A8, untied")
+    # the untied embedding is looked up, not streamed: the bytes a step reads are fewer than the 16-bit model's
+    size = m["size"]
+    assert size["lookup_params"] == 0 and size["lookup_params_pruned"] == config["vocab_size"] * config["hidden_size"]
+    assert size["ideal_ratio_quantized"] > size["ideal_ratio"] > 1
+    assert "the LM head too, untied; the embedding 16-bit" in (out / "report.md").read_text()
     from safetensors import safe_open
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_slice("lm_head.weight").get_dtype() == "I8"
@@ -297,9 +302,12 @@ def test_optimize_writes_an_fp8_package_in_fp8(tiny_dirs, text_file, tmp_path):
     (["--quant", "w4a16", "--set", "quant_head=true"], "quant_head quantizes the LM head of a vLLM package in W8A8"),
     (["--quant", "int8", "--format", "onnx", "--set", "quant_head=true"], "it takes --quant int8, fp8 or auto, not"),
     (["--target", "v100", "--retain", "0.9", "--set", "quant_head=true"], "quant_head quantizes the LM head in W8A8, but"),
+    (["--retain", "0.9", "--set", "engine_version=0.19.1", "--set", "quant_head=true"], "loads no quantized LM head"),
+    (["--retain", "0.9", "--set", "quant_head=true", "gemma2"], "computes gemma2's logits from its embedding"),
 ])
 def test_bad_quant_settings_are_one_line_errors(tiny_dirs, text_file, tmp_path, args, message):
-    r = CliRunner().invoke(optimize, [str(tiny_dirs["llama"]), "--target", "a100", "--calib", str(text_file),
+    family = args.pop() if args[-1] in tiny_dirs else "llama"
+    r = CliRunner().invoke(optimize, [str(tiny_dirs[family]), "--target", "a100", "--calib", str(text_file),
                                       "-o", str(tmp_path / "pkg"), *args])
     assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []

@@ -72,6 +72,10 @@ class DecoderAdapter:
     onnx_export: bool = True
     # our per-layer model classes (exporters/plugin) exist for this family
     per_layer: bool = True
+    # vLLM's model class has an LM head of its own (a ParallelLMHead named `lm_head`, tied only when the
+    # config says so), so a package may quantize it (quant_head); False where vLLM always computes the
+    # logits from the embedding
+    vllm_head_module: bool = True
     # RMSNorm multiplies by (offset + w): 0 for LLaMA's w, 1 for Gemma's (1 + w); a scale absorbed
     # into a norm weight is applied to (offset + w)
     norm_offset: float = 0.0

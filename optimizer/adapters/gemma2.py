@@ -16,6 +16,7 @@ class Gemma2Adapter(Gemma3Adapter):
     model_types = ("gemma2",)
     gguf_architectures = ("gemma2",)
     family = "gemma2"
+    vllm_head_module = False  # vLLM's Gemma2ForCausalLM computes its logits from embed_tokens (no lm_head)
 
     def fixed_block_params(self, config) -> int:
         return 4 * config.hidden_size  # the four block norms; no q/k norms

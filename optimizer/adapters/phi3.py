@@ -98,7 +98,8 @@ class Phi3Adapter(DecoderAdapter):
         working = json.loads(path.read_text())
         config = {**source_config, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}
         for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim", "dtype",
-                  "torch_dtype", "quantization_config", "transformers_version"):
+                  "torch_dtype", "quantization_config", "transformers_version",
+                  "tie_word_embeddings"):  # quant_head unties the head from the embedding
             if k in working:
                 config[k] = working[k]
         config.pop("auto_map", None)  # the package is the library's Phi3, not remote code
