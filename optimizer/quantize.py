@@ -468,9 +468,9 @@ def untie_head(model) -> None:
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     if head.weight is embedding.weight:
         head.weight = torch.nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
-    for cfg in {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda: None)())
-                if c is not None}.values():
-        cfg.tie_word_embeddings = False
+    model.config.tie_word_embeddings = False  # and a nested text config's, as load.retie_duplicated_head sets both
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
 
 
 def apply(model, precision: str, group: int | None = None, head: bool = False) -> int:
