@@ -18,7 +18,7 @@ def _doc(key: str) -> str:
 # only (--set / --config), so that --help stays a page a person reads; --help-all lists them all.
 OPTIONS = {"target": "target", "out": "out", "format": "format", "retain": "retain", "method": "method",
            "quant": "quant", "max_loss": "max_loss", "min_speedup": "min_speedup", "heal_tokens": "heal.tokens",
-           "calib": "data.calib", "eval_": "data.eval", "resume": "resume"}
+           "calib": "data.calib", "eval_": "data.eval", "resume": "resume", "measure": "measure"}
 
 
 class Percent(click.ParamType):
@@ -62,6 +62,7 @@ def _show_help_all(ctx, _param, value):
               help="The search's quality budget: held-out perplexity at most this much above the dense model's "
                    "[default: 5%]")
 @click.option("--min-speedup", type=float, help=_doc("min_speedup"))
+@click.option("--measure", is_flag=True, help=_doc("measure"))
 @click.option("--heal-tokens", type=int, help=_doc("heal.tokens"))
 @click.option("--no-heal", is_flag=True, help="Do not heal, whatever --heal-tokens says.")
 @click.option("--calib", type=click.Path(), help=_doc("data.calib"))

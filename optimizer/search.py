@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from core.errors import UserError
 from optimizer import plan as planner
-from optimizer import quantize, registry
+from optimizer import measure, quantize, registry
 from optimizer.evaluate import head_logits
 from optimizer.profiles import QUANT_NAMES
 
@@ -86,6 +86,8 @@ class Candidate:
     seconds: float = 0.0
     chosen: bool = False
     skipped: str | None = None                        # why it was not measured (a cheaper one was over already)
+    measured: dict | None = None                      # --measure: its decode speed timed on this machine
+
 
     @property
     def scored(self) -> bool:
@@ -97,11 +99,15 @@ class Candidate:
 
     @property
     def speedup_b16(self) -> float:
-        return self.plan.prediction["decode_speedup_b16"]
+        """The decode speedup at batch 16 the choice reads: measured (--measure), else predicted."""
+        return (self.measured or self.plan.prediction)["decode_speedup_b16"]
 
     @property
     def speedup_b1(self) -> float:
-        return self.plan.prediction["decode_speedup_b1"]
+        return (self.measured or self.plan.prediction)["decode_speedup_b1"]
+
+    def speed_word(self) -> str:
+        return "measured" if self.measured else "predicted"
 
     def precision_name(self) -> str:
         return "16-bit" if self.precision == "none" else QUANT_NAMES[self.precision] + (" + LM head" if self.head else "")
@@ -132,7 +138,8 @@ class Candidate:
                               "decode_speedup_b16": round(p["decode_speedup_b16"], 3),
                               "prefill_speedup": round(p["prefill_speedup"], 3)},
                 "quality": self.quality or None, "expected_ppl_ratio": _round(self.expected_ratio(heal)),
-                "seconds": self.seconds, "chosen": self.chosen, **({"skipped": self.skipped} if self.skipped else {})}
+                "seconds": self.seconds, "chosen": self.chosen, **({"skipped": self.skipped} if self.skipped else {}),
+                **({"measured": self.measured} if self.measured else {})}
 
 
 def _round(x, digits=4):
@@ -197,14 +204,18 @@ def _precisions(cfg, target) -> list[str]:
 def table(records: list[dict]) -> str:
     """Candidates (their `record`s, as the manifest holds them) as a table a person reads: the log,
     --dry-run and report.md."""
-    rows = ["| candidate | decode b1 | decode b16 | held-out ppl × dense | KL | expected × | s |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    timed = any(c.get("measured") for c in records)  # --measure: the timed speeds beside the predicted
+    rows = [("| candidate | predicted b1 | predicted b16 | measured b1 | measured b16 |" if timed
+             else "| candidate | decode b1 | decode b16 |")
+            + " held-out ppl × dense | KL | expected × | s |",
+            "|---|---:|---:|" + ("---:|---:|" if timed else "") + "---:|---:|---:|---:|"]
     for c in records:
-        p, q = c["predicted"], c["quality"]
+        p, q, t = c["predicted"], c["quality"], c.get("measured")
         measured = (f"{q['ppl_ratio']:.3f} | {q['kl']:.4f} | {c['expected_ppl_ratio']:.3f} | {c['seconds']:.0f}" if q
                     else f"not scored: {c['skipped']} | — | — | —" if c.get("skipped") else "— | — | — | —")
+        speeds = (f" {t['decode_speedup_b1']:.2f}x | {t['decode_speedup_b16']:.2f}x |" if t else " — | — |") if timed else ""
         rows.append(f"| {c['label']}{' **(chosen)**' if c['chosen'] else ''} | {p['decode_speedup_b1']:.2f}x | "
-                    f"{p['decode_speedup_b16']:.2f}x | {measured} |")
+                    f"{p['decode_speedup_b16']:.2f}x |{speeds} {measured} |")
     return "\n".join(rows)
 
 
@@ -284,7 +295,7 @@ PRECISION_RANK = {"none": 0, "fp8": 1, "int8": 1, "w4a16": 2}
 
 
 def score(job, cands: list[Candidate], reference: Reference, limit: float | None = None, heal: bool = True,
-          scored: dict | None = None, save: Callable[[Candidate], None] = lambda c: None) -> None:
+          scored: dict | None = None, save: Callable[[Candidate], None] = lambda c: None, timer=None) -> None:
     """Build, quantize and measure the candidates (their `quality` and `seconds` filled in), most
     intact and most precise first. One calibration pass: the width statistics and the block
     influence are observed once (on first use) and every retain decides from them; one pruned model
@@ -292,7 +303,9 @@ def score(job, cands: list[Candidate], reference: Reference, limit: float | None
     where a more intact, more precise one was already expected over it: pruning more or quantizing
     harder does not win loss back (cheap proxies first, the real measure where it can matter).
     `scored`: {label: {"quality", "seconds"}} measured by an interrupted run of the same search (not
-    built again); `save(c)` is called after each candidate measured."""
+    measured again); `save(c)` is called after each candidate measured. `timer` (--measure,
+    optimizer/measure.DecodeTimer): each candidate within the budget is also written as its package's
+    graph, to be timed once all are scored (one resumed is built again for it)."""
     from optimizer.depth import Depth
     from optimizer.structured import Structured
     model, adapter = job.model, job.adapter
@@ -311,13 +324,16 @@ def score(job, cands: list[Candidate], reference: Reference, limit: float | None
             if worse_than is not None:
                 c.skipped = f"{worse_than.label()} is over the budget already"
                 continue
-            if c.label() in (scored or {}):  # measured before an interruption: --resume
+            resumed = c.label() in (scored or {})
+            if resumed:  # measured before an interruption: --resume
                 c.quality, c.seconds = scored[c.label()]["quality"], scored[c.label()]["seconds"]
                 job.log(f"candidate {c.label()}: held-out perplexity {c.quality['ppl_ratio']:.3f}x dense (scored "
                         "before the interruption)")
                 if limit is not None and c.expected_ratio(heal) > limit:
                     over.append(c)
-                continue
+                    continue
+                if timer is None:
+                    continue
             started = time.time()
             if pruned is None:  # built once for this structure's precisions
                 if structure == "dense":
@@ -331,18 +347,26 @@ def score(job, cands: list[Candidate], reference: Reference, limit: float | None
             if structure == "dense" and c.precision == "none":
                 c.quality = {"ppl_ratio": 1.0, "kl": 0.0, "texts": {k: {"ppl_ratio": 1.0, "kl": 0.0}
                                                                      for k in reference.texts}}
+                if timer is not None:  # the timer's baseline graph is this one
+                    timer.alias(c.label())
             else:
-                m = pruned
+                m, ort_int8 = pruned, None
                 if c.precision != "none":
                     m = copy.deepcopy(pruned)
                     try:
-                        m, _ = quantize.quantize(m, adapter, windows, job_quant_config(job, c), log=lambda *_: None)
+                        m, report = quantize.quantize(m, adapter, windows, job_quant_config(job, c), log=lambda *_: None)
                     except UserError as e:  # a shape the precision's kernels cannot take: not a candidate
                         job.log(f"candidate {c.label()}: dropped, {e}")
                         dropped.append(c)
                         continue
-                c.quality = reference.quality(m)
+                    ort_int8 = report.ort_int8
+                if not resumed:
+                    c.quality = reference.quality(m)
+                if timer is not None and (limit is None or c.expected_ratio(heal) <= limit):
+                    timer.add(c.label(), m, ort_int8)  # a finalist: its graph, timed once all are scored
                 del m
+            if resumed:  # built again for the timer only
+                continue
             c.seconds = round(time.time() - started + built_s, 1)
             built_s = 0.0  # the build counts to the first candidate measured on it
             save(c)
@@ -363,24 +387,31 @@ def job_quant_config(job, c: Candidate) -> quantize.QuantConfig:
 
 # --- the choice -----------------------------------------------------------------------------------
 
-def choose(cands: list[Candidate], budget: Budget, heal: bool) -> tuple[Candidate, str]:
-    """The fastest candidate (predicted decode speedup at batch 16) whose expected held-out loss is
+def choose(cands: list[Candidate], budget: Budget, heal: bool, scatter: float = 0.0) -> tuple[Candidate, str]:
+    """The fastest candidate (decode speedup at batch 16: measured, else predicted) whose expected held-out loss is
     within the budget; with a min_speedup, the best quality among those that reach it. Returns it
-    and one line saying why, and what pruning would have cost where no pruned candidate fits."""
+    and one line saying why, and what pruning would have cost where no pruned candidate fits.
+    `scatter` (measured speeds): candidates within it of the fastest are not told apart, and the best
+    quality among them is taken (predicted speeds: those equal to 1%)."""
     limit = 1 + budget.max_loss
     ok = [c for c in cands if c.scored and c.expected_ratio(heal) <= limit]
     if not ok:  # the dense model in 16-bit is always within any budget: a quantized-only search
         raise UserError(f"no candidate is within the budget ({budget.text()}): raise --max-loss")
     fastest = max(ok, key=lambda c: (round(c.speedup_b16, 2), -c.quality["ppl_ratio"]))
+    if scatter:
+        fastest = min((c for c in ok if c.speedup_b16 >= fastest.speedup_b16 * (1 - scatter)),
+                      key=lambda c: (c.expected_ratio(heal), -c.speedup_b16))
     chosen = fastest
     if budget.min_speedup:
         fast = [c for c in ok if c.speedup_b16 >= budget.min_speedup]
         if fast:
             chosen = min(fast, key=lambda c: (c.quality["ppl_ratio"], -c.speedup_b16))
-    why = (f"{chosen.label()}: predicted {chosen.speedup_b16:.2f}x at batch 16 ({chosen.speedup_b1:.2f}x at batch 1), "
+    why = (f"{chosen.label()}: {chosen.speed_word()} {chosen.speedup_b16:.2f}x at batch 16 ({chosen.speedup_b1:.2f}x at batch 1), "
            f"held-out perplexity {_plus(chosen.quality['ppl_ratio'])}"
            + (f" before healing, {_plus(chosen.expected_ratio(heal))} expected after" if chosen.pruned and heal else "")
-           + f"; the fastest within the budget ({budget.text()})")
+           + f"; the fastest within the budget ({budget.text()})"
+           + (f", measured speeds within the run's scatter ({scatter:.0%}) counted as equal, the better quality "
+              f"taken" if scatter else ""))
     if budget.min_speedup and chosen.speedup_b16 < budget.min_speedup:
         why += f"; none within it reaches {budget.min_speedup:.2f}x"
     if not chosen.pruned:
@@ -425,24 +456,28 @@ def _dominated(c: Candidate, cands: list[Candidate]) -> bool:
 
 
 def plot(cands: list[Candidate], budget: Budget, path: Path) -> None:
-    """frontier.png: predicted speedup at batch 16 against held-out perplexity ratio, the budget's
-    line and the chosen point marked."""
+    """frontier.png: decode speedup at batch 16 (measured where --measure timed it, else predicted)
+    against held-out perplexity ratio, the budget's line and the chosen point marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    timed = any(c.measured for c in cands)
     for c in (c for c in cands if c.scored):
         style = {"dense": "o", "width": "s", "blocks": "^"}[c.structure]
         color = {"none": "tab:gray", "int8": "tab:blue", "fp8": "tab:purple", "w4a16": "tab:green"}[c.precision]
         color = {"tab:blue": "tab:cyan", "tab:purple": "tab:pink"}[color] if c.head else color
-        ax.scatter(c.quality["ppl_ratio"], c.speedup_b16, marker=style, color=color, s=90 if c.chosen else 40,
-                   edgecolors="black" if c.chosen else "none", linewidths=2, zorder=3)
-        ax.annotate(c.label() + (" (chosen)" if c.chosen else ""), (c.quality["ppl_ratio"], c.speedup_b16),
+        predicted = timed and not c.measured  # hollow: the roofline's speed among measured ones
+        ax.scatter(c.quality["ppl_ratio"], c.speedup_b16, marker=style, s=90 if c.chosen else 40,
+                   facecolors="none" if predicted else color,
+                   edgecolors="black" if c.chosen else color if predicted else "none", linewidths=2, zorder=3)
+        ax.annotate(c.label() + (" (chosen)" if c.chosen else "") + (" (predicted)" if predicted else ""),
+                    (c.quality["ppl_ratio"], c.speedup_b16),
                     fontsize=7, xytext=(4, 3), textcoords="offset points")
     ax.axvline(1 + budget.max_loss, color="tab:red", linestyle="--", linewidth=1, label=f"budget +{budget.max_loss:.0%}")
     ax.set_xscale("log")
     ax.set_xlabel("held-out perplexity × dense (before healing; log scale)")
-    ax.set_ylabel("predicted decode speedup at batch 16")
+    ax.set_ylabel("decode speedup at batch 16" + (" (measured; the unmeasured predicted)" if timed else " (predicted)"))
     ax.set_title("candidates scored by the search")
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
@@ -460,6 +495,7 @@ class Frontier:
         self.reference: Reference | None = None
         self.chosen: Candidate | None = None
         self.why, self.checked = "", None
+        self.timing: dict | None = None      # --measure: how the speeds were timed (measure.protocol)
 
     def score(self, job) -> None:
         started = time.time()
@@ -486,11 +522,36 @@ class Frontier:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(scored))
             tmp.replace(path)
-        score(job, self.cands, self.reference, 1 + self.budget.max_loss, self.heal, scored, save)
+        timer = None
+        if job.cfg.measure:  # the graphs beside the package being staged, removed once timed
+            timer = measure.DecodeTimer(job.model, job.tmp / ".measure", job.cfg.threads, job.cfg.seed)
+        try:
+            score(job, self.cands, self.reference, 1 + self.budget.max_loss, self.heal, scored, save, timer)
+            if timer is not None:
+                self.time(timer)
+        finally:
+            if timer is not None:
+                timer.close()
         self.log(f"search: scored in {time.time() - started:.0f} s\n{table([c.record(self.heal) for c in self.cands])}")
 
+    def time(self, timer) -> None:
+        """--measure: the finalists' graphs timed together; their measured speedups replace the
+        roofline's in the choice."""
+        timings = timer.run(self.log)
+        base = timings[measure.BASELINE]
+        for c in self.cands:
+            if c.label() in timings:
+                t = timings[c.label()]
+                up = t.speedups(base)
+                c.measured = {"decode_speedup_b1": round(up[1], 3), "decode_speedup_b16": round(up[16], 3),
+                              "tokens_per_s": {str(b): round(r, 1) for b, r in t.tokens_per_s.items()}}
+        self.timing = {**measure.protocol(timer.threads),
+                       "dense_tokens_per_s": {str(b): round(r, 1) for b, r in base.tokens_per_s.items()},
+                       "scatter": round(measure.scatter(timings.values()), 4)}
+
     def choose(self) -> Candidate:
-        self.chosen, self.why = choose(self.cands, self.budget, self.heal)
+        self.chosen, self.why = choose(self.cands, self.budget, self.heal,
+                                       self.timing["scatter"] if self.timing else 0.0)
         self.chosen.chosen = True
         self.log(f"chosen: {self.why}")
         return self.chosen
@@ -519,7 +580,8 @@ class Frontier:
         return self.chosen
 
     def section(self) -> dict:
-        return section(self.cands, self.budget, self.why, self.heal, self.checked)
+        return {**section(self.cands, self.budget, self.why, self.heal, self.checked),
+                **({"measured": self.timing} if self.timing else {})}
 
     def plot(self, path: Path) -> None:
         plot(self.cands, self.budget, path)
