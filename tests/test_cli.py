@@ -93,17 +93,17 @@ def test_h100_with_an_old_vllm_sees_the_2to4_kernel(tiny_dirs):
 
 
 def test_help_is_a_page_and_help_all_lists_every_setting():
-    """--help: the options a person reads, the frontier search's --max-loss and --min-speedup among
-    them; every other setting is --set / --config, listed by --help-all from the dataclasses."""
+    """--help: the options a person reads, the frontier search's --max-loss, --min-speedup and
+    --measure among them; every other setting is --set / --config, listed by --help-all from the dataclasses."""
     import click
     from optimizer import config
     ctx = click.Context(optimize)
     names = {name for p in optimize.get_params(ctx) if isinstance(p, click.Option) for name in p.opts}
     working = [p for p in optimize.get_params(ctx) if isinstance(p, click.Option)
                and not {"--help", "--help-all"} & set(p.opts)]
-    assert len(working) <= 16, [p.opts for p in working]
+    assert len(working) <= 17, [p.opts for p in working]
     assert {"--target", "-t", "-o", "--out", "--format", "--retain", "--method", "--quant", "--max-loss",
-            "--min-speedup", "--heal-tokens",
+            "--min-speedup", "--measure", "--heal-tokens",
             "--no-heal", "--calib", "--eval", "--resume", "--dry-run", "--set", "--config", "--help-all"} <= names
     r = _run(optimize, ["--help"])
     assert r.exit_code == 0 and "--set KEY=VALUE" in r.output and "[default: 5%]" in r.output

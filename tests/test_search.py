@@ -210,7 +210,7 @@ def test_a_candidate_is_not_measured_where_a_more_intact_more_precise_one_is_ove
     monkeypatch.setattr("optimizer.structured.Structured.searcher", staticmethod(build))
 
     def fake_quantize(m, adapter, windows, cfg, log=None):
-        return {**m, "precision": cfg.precision}, None
+        return {**m, "precision": cfg.precision}, search.quantize.QuantReport({})
     monkeypatch.setattr(search.quantize, "quantize", fake_quantize)
     monkeypatch.setattr(search.copy, "deepcopy", lambda m: dict(m))
     real_quality = Ref.quality
