@@ -53,6 +53,7 @@ class Plan:
     quant_reason: str = ""
     quant_head: bool = False         # the LM head quantized too (quant_head; W8A8 only)
     kind: str = ""                   # the kind of job that runs it (optimizer/registry.py KINDS)
+    format: str = "vllm"             # the package's: vllm | onnx (onnxruntime serves it; `engine` is the roofline's)
 
     def freeze(self) -> "Plan":
         """The plan as resolved: its fields can no longer be set, its reasons no longer appended to."""
@@ -68,7 +69,9 @@ class Plan:
     def text(self, prediction: dict | None = None) -> str:
         """The plan in words; `prediction`: another roofline than the plan's (the achieved shape's)."""
         lines = [f"target: {self.target.display_name} ({self.target.name})",
-                 f"engine: {self.engine} {self.engine_version}",
+                 f"engine: {self.engine} {self.engine_version}" if self.format == "vllm" else
+                 f"engine: onnxruntime (an ONNX package; the roofline is the target profile's, made for "
+                 f"{self.engine} {self.engine_version}: --measure times it on the cpu target)",
                  f"method: {self.method}" + (f" ({self.sparsity} sparsity)" if self.sparsity else "")]
         lines += [f"  why: {r}" for r in self.reasons]
         if self.quant_reason:
@@ -223,6 +226,7 @@ def resolve(cfg, target: Profile, adapter, hf_config, fewer_blocks: bool = True,
     if moe:
         for_experts(plan, cfg.method, adapter.family)
     plan.kind = registry.EXPERTS if moe else registry.spec(plan.method).kind
+    plan.format = cfg.format
     kind = registry.kind_class(plan.kind)
     kind.refuse(cfg, plan, adapter, hf_config)
     choose_quant(plan, cfg.quant, not_quantized=_not_quantized(cfg, plan, moe))
