@@ -94,7 +94,7 @@ class DecodeTimer:
         from tqdm import tqdm
         paths = list(dict.fromkeys(self.graphs.values()))
         rounds: dict[Path, dict[int, list[float]]] = {p: {b: [] for b in BATCHES} for p in paths}
-        with tqdm(total=ROUNDS * len(paths), desc="measure: decode on this CPU", unit="graph", disable=None) as bar:
+        with tqdm(total=ROUNDS * len(paths), desc="measure: decode on this CPU", unit="graph") as bar:
             for _ in range(ROUNDS):
                 for path in paths:
                     for b, rate in decode_rates(path, self.threads, self.seed).items():

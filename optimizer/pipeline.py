@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from core.errors import UserError
-from optimizer import distributed, load, plan as planner, profiles, registry, search
+from optimizer import distributed, load, measure, plan as planner, profiles, registry, search
 from optimizer.adapters import get_adapter
 from optimizer.config import (DEFAULT_RETAIN, DataConfig, DDPSettings, HealSettings, OnnxSettings, OptimizeConfig,
                               RefitSettings, RoISettings, SISettings, validate)
@@ -79,6 +79,9 @@ def _search(cfg, target, source, adapter, hf_config, dry_run: bool, log: Callabl
         if heal else f"search: {len(cands)} candidates (structure × precision) for {target.display_name}, "
         f"{budget.text()}; healing is off, so a pruned one is judged as it is")
     log(search.table([c.record(heal) for c in cands]))
+    if cfg.measure:
+        log(f"--measure: the candidates within the budget will be timed in onnxruntime on this CPU "
+            f"({measure.cpu_name()}) and chosen by their measured decode speed at batch 16")
     if dry_run:
         return {"plan": cands[0].plan, "dry_run": True, "candidates": cands}
     out = Path(cfg.out or f"out/{source.name}-{target.name}")
