@@ -1,6 +1,7 @@
 """Figures for ONNX packages: onnxruntime-CPU throughput pruned/dense, export and validation time.
 
     .venv/bin/python bench/onnx.py                        # full protocol (SmolLM2, r 0.7 and 0.5)
+    .venv/bin/python bench/onnx.py --retain 1.0 --quant int8   # INT8 of the dense model against its fp32 graph
     .venv/bin/python bench/onnx.py --model DIR --calib FILE --seq-len 64 --calib-windows 2 \\
         --eval-windows 1 --retain 0.6 --rounds 1 --requests 4 --output-tokens 8 --out /tmp/x   # smoke run
 
@@ -83,8 +84,8 @@ def main() -> None:
                             **benchlib.run_info()},
                "dense": None, "levels": []}
     # All packages first (the dense one too), then all serving runs back to back.
-    for retain in [1.0] + args.retain:
-        quant = args.quant if retain < 1 else "none"
+    for k, retain in enumerate([1.0] + args.retain):
+        quant = args.quant if k else "none"  # the baseline: the dense fp32 graph (a level may be --retain 1.0 --quant int8)
         suffix = "" if quant == "none" else f"-{quant}" + ("-qdq" if args.onnx_int8 == "qdq" else "")
         pkg = packages / f"{_name(args)}-r{retain:.2f}{suffix}"
         t0 = time.time()
@@ -111,7 +112,7 @@ def main() -> None:
                                 "greedy_parted_at_near_tie": c["greedy"].get("parted_at_near_tie"),
                                 "tolerance_of_scale": c.get("tolerance_of_scale"),
                                 "as_written": c.get("as_written")}}  # a QDQ graph's exact check (docs/onnx.md)
-        if retain == 1.0:
+        if k == 0:
             results["dense"] = entry
         else:
             entry["ideal_ratio"] = results["dense"]["onnx_bytes"] / entry["onnx_bytes"]
