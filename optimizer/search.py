@@ -398,9 +398,11 @@ def choose(cands: list[Candidate], budget: Budget, heal: bool, scatter: float = 
     if not ok:  # the dense model in 16-bit is always within any budget: a quantized-only search
         raise UserError(f"no candidate is within the budget ({budget.text()}): raise --max-loss")
     fastest = max(ok, key=lambda c: (round(c.speedup_b16, 2), -c.quality["ppl_ratio"]))
+    tied = None  # the fastest measured, where one within the run's scatter of it has the better quality
     if scatter:
-        fastest = min((c for c in ok if c.speedup_b16 >= fastest.speedup_b16 * (1 - scatter)),
-                      key=lambda c: (c.expected_ratio(heal), -c.speedup_b16))
+        best = min((c for c in ok if c.speedup_b16 >= fastest.speedup_b16 * (1 - scatter)),
+                   key=lambda c: (c.expected_ratio(heal), -c.speedup_b16))
+        tied, fastest = (fastest if best is not fastest else None), best
     chosen = fastest
     if budget.min_speedup:
         fast = [c for c in ok if c.speedup_b16 >= budget.min_speedup]
@@ -410,8 +412,8 @@ def choose(cands: list[Candidate], budget: Budget, heal: bool, scatter: float = 
            f"held-out perplexity {_plus(chosen.quality['ppl_ratio'])}"
            + (f" before healing, {_plus(chosen.expected_ratio(heal))} expected after" if chosen.pruned and heal else "")
            + f"; the fastest within the budget ({budget.text()})"
-           + (f", measured speeds within the run's scatter ({scatter:.0%}) counted as equal, the better quality "
-              f"taken" if scatter else ""))
+           + (f"; {tied.label()} measured {tied.speedup_b16:.2f}x, within the run's scatter ({scatter:.0%}), so the "
+              f"better quality is taken" if tied else ""))
     if budget.min_speedup and chosen.speedup_b16 < budget.min_speedup:
         why += f"; none within it reaches {budget.min_speedup:.2f}x"
     if not chosen.pruned:
