@@ -88,7 +88,6 @@ class Candidate:
     skipped: str | None = None                        # why it was not measured (a cheaper one was over already)
     measured: dict | None = None                      # --measure: its decode speed timed on this machine
 
-
     @property
     def scored(self) -> bool:
         return bool(self.quality)
