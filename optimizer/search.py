@@ -422,9 +422,10 @@ def choose(cands: list[Candidate], budget: Budget, heal: bool, scatter: float = 
             p = pruned[0]
             after = f" ({_plus(p.expected_ratio(heal))} expected after healing)" if heal else ""
             what = "" if p.precision == "none" else f" in {p.precision_name()}"
-            why += (f". Pruning {1 - p.retain:.0%} ({p.structure}{what}) costs {_plus(p.quality['ppl_ratio'])} "
-                    f"perplexity on this model{after}, over the {budget.max_loss:.0%} budget: "
-                    f"{chosen.precision_name()} without pruning")
+            cost = f". Pruning {1 - p.retain:.0%} ({p.structure}{what}) costs {_plus(p.quality['ppl_ratio'])} perplexity on this model{after}"
+            why += (f"{cost}, over the {budget.max_loss:.0%} budget: {chosen.precision_name()} without pruning"
+                    if p.expected_ratio(heal) > limit else
+                    f"{cost}, within the budget but {p.speed_word()} {p.speedup_b16:.2f}x at batch 16: no faster")
     return chosen, why
 
 

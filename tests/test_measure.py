@@ -141,3 +141,12 @@ def test_a_killed_measured_search_resumes_and_times_the_finalists_it_had_scored(
     assert r.output.count("(scored before the interruption)") >= 2
     f = json.loads((out / "manifest.json").read_text())["frontier"]
     assert all(c.get("measured") for c in _finalists(f, 1.5))
+
+
+def test_a_pruned_candidate_within_the_budget_but_no_faster_is_not_called_over_it():
+    cands = [_cand("dense", 1.0, "none", 1.0, 1.0, 1.0), _cand("dense", 1.0, "int8", 1.02, 1.19, 1.39),
+             _cand("width", 0.9, "int8", 2.0, 1.21, 1.36)]
+    chosen, why = search.choose(cands, search.Budget(3.0), heal=False, scatter=0.01)
+    assert chosen.label() == "no pruning, INT8 W8A8"
+    assert "Pruning 10% (width in INT8 W8A8) costs +100.0% perplexity on this model, within the budget but measured " \
+           "1.36x at batch 16: no faster" in why and "over the 300% budget" not in why
