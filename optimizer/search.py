@@ -549,7 +549,7 @@ class Frontier:
                               "tokens_per_s": {str(b): round(r, 1) for b, r in t.tokens_per_s.items()}}
         self.timing = {**measure.protocol(timer.threads),
                        "dense_tokens_per_s": {str(b): round(r, 1) for b, r in base.tokens_per_s.items()},
-                       "scatter": round(measure.scatter(timings.values()), 4)}
+                       "scatter": round(measure.scatter(timings), 4)}
 
     def choose(self) -> Candidate:
         self.chosen, self.why = choose(self.cands, self.budget, self.heal,
