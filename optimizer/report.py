@@ -132,7 +132,7 @@ def _speeds(measured: dict | None) -> str:
     base = measured["dense_tokens_per_s"]
     return (f"Speeds are the target's roofline, and for the candidates within the budget measured ({measured['engine']} "
             f"on {measured['cpu']}, {measured['threads']} threads: decode after a {measured['prompt_tokens']}-token "
-            f"prompt, best of {measured['rounds']} interleaved rounds; the dense graph "
+            f"prompt, the median of {measured['rounds']} interleaved rounds, scatter {measured['scatter']:.0%}; the dense graph "
             + ", ".join(f"{r} tok/s at batch {b}" for b, r in base.items()) + "); the choice reads the measured ones")
 
 

@@ -546,7 +546,8 @@ class Frontier:
                 t = timings[c.label()]
                 up = t.speedups(base)
                 c.measured = {"decode_speedup_b1": round(up[1], 3), "decode_speedup_b16": round(up[16], 3),
-                              "tokens_per_s": {str(b): round(r, 1) for b, r in t.tokens_per_s.items()}}
+                              "tokens_per_s": {str(b): round(r, 1) for b, r in t.tokens_per_s.items()},
+                              "rounds_tokens_per_s": {str(b): [round(x, 1) for x in r] for b, r in t.rounds.items()}}
         self.timing = {**measure.protocol(timer.threads),
                        "dense_tokens_per_s": {str(b): round(r, 1) for b, r in base.tokens_per_s.items()},
                        "scatter": round(measure.scatter(timings), 4)}
