@@ -425,7 +425,8 @@ def choose(cands: list[Candidate], budget: Budget, heal: bool, scatter: float = 
             cost = f". Pruning {1 - p.retain:.0%} ({p.structure}{what}) costs {_plus(p.quality['ppl_ratio'])} perplexity on this model{after}"
             why += (f"{cost}, over the {budget.max_loss:.0%} budget: {chosen.precision_name()} without pruning"
                     if p.expected_ratio(heal) > limit else
-                    f"{cost}, within the budget but {p.speed_word()} {p.speedup_b16:.2f}x at batch 16: no faster")
+                    f"{cost}, within the budget but {p.speed_word()} {p.speedup_b16:.2f}x at batch 16: "
+                    + ("not faster beyond the run's scatter" if p.speedup_b16 > chosen.speedup_b16 else "no faster"))
     return chosen, why
 
 
