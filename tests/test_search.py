@@ -156,13 +156,13 @@ def test_a_healed_candidate_that_misses_the_budget_falls_back_to_one_with_nothin
     chose = []
     real_choose, real_quality = search.choose, search.Reference.quality
 
-    def choose(cands, budget, heal):
+    def choose(cands, budget, heal, scatter=0.0):
         for c in cands:  # make a pruned candidate the fastest and (predicted) within the budget
             if c.pruned and c.scored:
                 c.quality = {**c.quality, "ppl_ratio": 1.0}
                 c.plan.prediction["decode_speedup_b16"] += 1
         chose.append(True)
-        return real_choose(cands, budget, heal)
+        return real_choose(cands, budget, heal, scatter)
 
     def quality(self, model):
         q = real_quality(self, model)
