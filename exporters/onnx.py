@@ -120,7 +120,8 @@ def export_decoder(model, path: Path, dtype: str = "float32", external_data: boo
 def quantize_graph(src: Path, dst: Path, external_data: bool, roles: tuple[str, ...], weight_max: int = 127,
                    activation_scales: dict | None = None) -> dict:
     """onnxruntime's own INT8 quantization of the blocks' projections named in `roles` (the decoder's
-    MatMul nodes `/layers.{i}/{role}/MatMul`; not attention's activation products, not the LM head):
+    MatMul nodes `/layers.{i}/{role}/MatMul`; not attention's activation products), and of the LM head
+    where `roles` holds HEAD_ROLE (an untied head: its MatMul HEAD_MATMUL):
     int8 weights symmetric per output channel on [-weight_max, weight_max] (127, or 64: onnxruntime's
     reduce_range, optimizer/quantize.ort_weight_max), and the activations either
       - dynamic (activation_scales None): DynamicQuantizeLinear'd (uint8, per tensor) at run time,
@@ -134,10 +135,13 @@ def quantize_graph(src: Path, dst: Path, external_data: bool, roles: tuple[str, 
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
     proto = onnx.load(str(src), load_external_data=False)
     weights = {i.name for i in proto.graph.initializer if len(i.dims) == 2}
-    wanted = {f"/{role}/MatMul" for role in roles}
     matmuls = [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights
-               and n.name.startswith("/layers.") and n.name[n.name.index("/", 1):] in wanted]
+               and is_int8_matmul(n.name, roles)]
     nodes = [n.name for n in matmuls]
+    if HEAD_ROLE in roles and HEAD_MATMUL not in nodes:
+        from exporters.onnx_check import ValidationError
+        raise ValidationError("the LM head is to be INT8 but the graph has no MatMul of its own for it "
+                              "(a head tied to the embedding: untie it first)")
     if activation_scales is not None and len(nodes) != len(activation_scales):
         from exporters.onnx_check import ValidationError
         raise ValidationError(f"the graph has {len(nodes)} MatMuls to quantize, the PyTorch twin "
@@ -185,20 +189,36 @@ def quantize_graph(src: Path, dst: Path, external_data: bool, roles: tuple[str, 
             "int8_activations": "dynamic" if overrides is None else "qdq"}
 
 
+# The untied LM head (exporters/decoder.Decoder.head): its MatMul, and its key among the INT8 Linears
+HEAD_ROLE = "head"
+HEAD_MATMUL = "/head/MatMul"
+HEAD_KEY = (-1, HEAD_ROLE)
+
+
+def is_int8_matmul(matmul_name: str, roles: tuple[str, ...]) -> bool:
+    """Whether `roles` asks for this MatMul: a block's `/layers.{i}/{role}/MatMul`, or the head's."""
+    if matmul_name == HEAD_MATMUL:
+        return HEAD_ROLE in roles
+    return matmul_name.startswith("/layers.") and matmul_name.count("/") == 3 and matmul_name.split("/")[2] in roles \
+        and matmul_name.endswith("/MatMul")
+
+
 def int8_key(matmul_name: str) -> tuple[int, str]:
-    """(block, role) of the decoder's MatMul `/layers.{i}/{role}/MatMul`: the key of its twin's Linear
-    in optimizer/quantize.OrtInt8."""
+    """(block, role) of the decoder's MatMul `/layers.{i}/{role}/MatMul`, HEAD_KEY of the head's: the
+    key of its twin's Linear in optimizer/quantize.OrtInt8."""
+    if matmul_name == HEAD_MATMUL:
+        return HEAD_KEY
     layer, role = matmul_name.split("/")[1:3]
     return int(layer.removeprefix("layers.")), role
 
 
 def qdq_pairs(graph) -> dict[tuple[int, str], tuple]:
-    """The (QuantizeLinear, DequantizeLinear) nodes each block MatMul of a QDQ graph reads its
-    activation through, by int8_key."""
+    """The (QuantizeLinear, DequantizeLinear) nodes each block MatMul (and the head's) of a QDQ graph
+    reads its activation through, by int8_key."""
     producer = {o: n for n in graph.node for o in n.output}
     pairs = {}
     for mm in graph.node:
-        if mm.op_type != "MatMul" or not mm.name.startswith("/layers."):
+        if mm.op_type != "MatMul" or not (mm.name.startswith("/layers.") or mm.name == HEAD_MATMUL):
             continue
         dq = producer.get(mm.input[0])
         q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None

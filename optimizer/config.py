@@ -414,9 +414,12 @@ def validate(cfg: OptimizeConfig) -> None:
             raise UserError("layout applies to structured methods; semi-structured pruning keeps every shape")
     if cfg.quant not in QUANT:
         raise UserError(f"unknown --quant '{cfg.quant}'; choose from: {', '.join(QUANT)}")
-    if cfg.quant_head and (cfg.format != "vllm" or cfg.quant in ("none", "w4a16")):
-        raise UserError("quant_head quantizes the LM head of a vLLM package in W8A8: it takes --quant int8, fp8 or "
-                        f"auto, not --format {cfg.format} --quant {cfg.quant}")
+    if cfg.quant_head and cfg.quant in ("none", "w4a16"):
+        raise UserError("quant_head quantizes the LM head in W8A8 (an ONNX package's: onnxruntime's INT8): it takes "
+                        f"--quant int8, fp8 or auto, not --quant {cfg.quant}")
+    if cfg.quant_head and cfg.format == "onnx" and (cfg.quant == "fp8" or cfg.onnx.dtype != "float32"):
+        raise UserError("quant_head in an ONNX package is onnxruntime's INT8 of a float32 graph: it takes --quant int8 "
+                        f"or auto and onnx.dtype=float32, not --quant {cfg.quant}, onnx.dtype={cfg.onnx.dtype}")
     if cfg.onnx.dtype not in ("float32", "float16"):
         raise UserError(f"unknown onnx.dtype '{cfg.onnx.dtype}'; choose from: float32, float16")
     if cfg.onnx.int8 not in ONNX_INT8:

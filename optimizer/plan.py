@@ -76,7 +76,7 @@ class Plan:
         lines += [f"  why: {r}" for r in self.reasons]
         if self.quant_reason:
             lines.append(f"quantization: {QUANT_NAMES[self.quant]}" + (", the LM head too (untied; the embedding "
-                                                                      "stays 16-bit)" if self.quant_head else ""))
+                                                                      "is not quantized)" if self.quant_head else ""))
             lines.append(f"  why: {self.quant_reason}")
         p = prediction if prediction is not None else self.prediction
         if p:
@@ -105,10 +105,12 @@ QUANT_HEAD_MIN_VLLM = "0.20.0"
 
 
 def _refuse_quant_head(plan: Plan, adapter: DecoderAdapter) -> None:
-    """quant_head needs a W8A8 precision, a model class whose vLLM implementation has a head of its
-    own, and a vLLM whose loader quantizes it."""
+    """quant_head needs a W8A8 precision and, for a vLLM package, a model class whose vLLM
+    implementation has a head of its own and a vLLM whose loader quantizes it."""
     if plan.quant not in HEAD_PRECISIONS:
         raise UserError(f"quant_head quantizes the LM head in W8A8, but {plan.quant_reason.removesuffix(' (--quant auto)')}")
+    if plan.format == "onnx":  # onnxruntime's INT8 MatMul of an untied head: the exporter's check runs it
+        return
     if not adapter.vllm_head_module:
         raise UserError(f"quant_head: vLLM computes {adapter.family}'s logits from its embedding (no LM head of its "
                         f"own to quantize); drop quant_head")

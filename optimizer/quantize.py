@@ -76,10 +76,10 @@ def quantize(model, adapter, windows: torch.Tensor, cfg: QuantConfig,
     precision = cfg.precision
     started = time.time()
     windows = windows[:SMOOTH_WINDOWS]
-    if cfg.onnx_int8 is not None:
-        return quantize_for_onnxruntime(model, adapter, windows, cfg, log, started)
     if cfg.head and precision not in HEAD_PRECISIONS:
         raise UserError(f"quant_head quantizes the LM head in W8A8 (int8 or fp8), not {precision}")
+    if cfg.onnx_int8 is not None:
+        return quantize_for_onnxruntime(model, adapter, windows, cfg, log, started)
     group = w4_group(model, adapter) if precision == "w4a16" else None
     if cfg.head:
         untie_head(model)
@@ -296,14 +296,19 @@ def quantize_for_onnxruntime(model, adapter, windows, cfg: QuantConfig, log: Cal
     """--quant int8 for an ONNX package: smoothing, then the block Linears' weights on onnxruntime's
     symmetric int8 grid per output channel, for QDQ the activations' static scales, and the activation
     hooks (OrtInt8, in the report for the exporter)."""
+    from exporters.onnx import HEAD_KEY
     form = cfg.onnx_int8
-    smooth(model, adapter, windows, SMOOTH_ALPHA)
+    if cfg.head:
+        untie_head(model)
+    smooth(model, adapter, windows, SMOOTH_ALPHA, head=cfg.head)
     linears = {}
     for i, b in enumerate(adapter.blocks(model)):
         q, k, v, o = adapter.attention(b)
         gate, up, down = adapter.mlp(b)
         roles = {"q": q, "k": k, "v": v, "o": o, "gate": gate, "up": up, "down": down}
         linears.update({(i, r): roles[r] for r in ORT_INT8_ROLES})
+    if cfg.head:
+        linears[HEAD_KEY] = model.get_output_embeddings()
     m = ort_weight_max()
     with torch.no_grad():
         for lin in linears.values():
@@ -323,13 +328,17 @@ def quantize_for_onnxruntime(model, adapter, windows, cfg: QuantConfig, log: Cal
                           + ("" if m == 127 else " (onnxruntime's reduce_range: this CPU has no VNNI)"),
                "group_size": None, "gptq": None,
                "smoothing": {"alpha": SMOOTH_ALPHA, "tokens": windows.numel(),
-                             "points": "q/k/v, o, gate/up and down inputs"},
+                             "points": "q/k/v, o, gate/up and down inputs" + (", the LM head's input" if cfg.head else "")},
                "activations": activations, "linears": len(linears),
-               "ignore": [*IGNORE, "down_proj"], "cpu_kernel_shape_misses": [], "reason": cfg.reason,
+               "ignore": ["down_proj"] if cfg.head else [*IGNORE, "down_proj"],
+               "head": ("int8 like the blocks, untied from the embedding (which stays float32)" if cfg.head
+                        else "float32"),
+               "cpu_kernel_shape_misses": [], "reason": cfg.reason,
                # the package is an fp32 graph but for the int8 weights (and their fp32 scales)
                "quantized_params": quantized, "weight_bytes": quantized + 4 * (channels + params - quantized),
                "bytes_per_value": 4, "wall_s": round(time.time() - started, 1)}
-    log(f"quantized: {len(linears)} Linear layers for onnxruntime's {form} INT8 (smoothed, round to nearest; "
+    log(f"quantized: {len(linears)} Linear layers{' (the LM head among them)' if cfg.head else ''} for "
+        f"onnxruntime's {form} INT8 (smoothed, round to nearest; "
         f"{quantized:,} int8 weights" + ("" if m == 127 else "; 7-bit grid [-64, 64]: this CPU has no VNNI") + ")")
     return model, QuantReport(section, int8)
 
