@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/onnx.py                        # full protocol (SmolLM2, r 0.7 and 0.5)
     .venv/bin/python bench/onnx.py --retain 1.0 --quant int8   # INT8 of the dense model against its fp32 graph
+    .venv/bin/python bench/onnx.py --retain 1.0 --quant int8 int8+head   # and with the LM head INT8 too (quant_head)
     .venv/bin/python bench/onnx.py --model DIR --calib FILE --seq-len 64 --calib-windows 2 \\
         --eval-windows 1 --retain 0.6 --rounds 1 --requests 4 --output-tokens 8 --out /tmp/x   # smoke run
 
@@ -54,8 +55,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (pipeline) and onnxruntime threads (server)")
-    ap.add_argument("--quant", default="none", choices=["none", "int8"],
-                    help="the pruned packages' precision (int8: onnxruntime's INT8, --onnx-int8); the dense baseline stays fp32")
+    ap.add_argument("--quant", default=["none"], nargs="+", choices=["none", "int8", "int8+head"],
+                    help="the pruned packages' precision, a level for each at each --retain (int8: onnxruntime's INT8, "
+                         "--onnx-int8; int8+head: the LM head too, quant_head); the dense baseline stays fp32")
     ap.add_argument("--onnx-int8", default="dynamic", choices=["dynamic", "qdq"],
                     help="with --quant int8: activations quantized at run time, or static scales in QDQ form")
     ap.add_argument("--port", type=int, default=8131)
@@ -65,43 +67,46 @@ def main() -> None:
     ap.add_argument("--packages", default=str(ROOT / "out" / "onnx"))
     ap.add_argument("--out", help="run folder (default: a new bench/results/onnx/<date>-<commit>)")
     args = ap.parse_args()
-    if args.onnx_int8 != "dynamic" and args.quant != "int8":
+    if args.onnx_int8 != "dynamic" and "none" in args.quant:
         ap.error("--onnx-int8 qdq applies to --quant int8")
+    levels = [(retain, quant) for retain in args.retain for quant in args.quant]
 
     calib = Path(args.calib) if args.calib else benchlib.data_file("valid", args.data)
     out, packages = benchlib.run_dir("onnx", args.out), Path(args.packages)
     path = benchlib.new_file(out / "onnx.json")
-    for retain in args.retain if not args.skip_serve else []:
-        benchlib.new_file(out / f"bench-r{retain:.2f}")
+    for retain, quant in levels if not args.skip_serve else []:
+        benchlib.new_file(out / f"bench-{_level_name(retain, quant, args)}")
     torch.set_num_threads(args.threads)
     results = {"protocol": {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "target": args.target,
                             "method": "activation (one-shot structured, uniform)",
-                            "format": "onnx fp32" if args.quant == "none" else
-                            f"onnx int8, {'QDQ static' if args.onnx_int8 == 'qdq' else 'dynamic'} (pruned), fp32 (dense)",
+                            "format": "onnx fp32" if args.quant == ["none"] else
+                            f"onnx {' / '.join(args.quant)} (levels; INT8 "
+                            f"{'QDQ static' if args.onnx_int8 == 'qdq' else 'dynamic'}), fp32 (dense)",
                             "calib": str(calib), "seq_len": args.seq_len, "calib_windows": args.calib_windows,
                             "threads": args.threads, "rounds": args.rounds, "concurrency": args.concurrency,
                             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                             **benchlib.run_info()},
                "dense": None, "levels": []}
     # All packages first (the dense one too), then all serving runs back to back.
-    for k, retain in enumerate([1.0] + args.retain):
-        quant = args.quant if k else "none"  # the baseline: the dense fp32 graph (a level may be --retain 1.0 --quant int8)
-        suffix = "" if quant == "none" else f"-{quant}" + ("-qdq" if args.onnx_int8 == "qdq" else "")
-        pkg = packages / f"{_name(args)}-r{retain:.2f}{suffix}"
+    for k, (retain, quant) in enumerate([(1.0, "none")] + levels):
+        # the baseline: the dense fp32 graph (a level may be --retain 1.0 --quant int8)
+        pkg = packages / f"{_name(args)}-{_level_name(retain, quant, args)}"
         t0 = time.time()
         if args.reuse and is_package(pkg):
             m = Manifest.read(pkg)
         else:
             shutil.rmtree(pkg, ignore_errors=True)
             m = optimize(OptimizeConfig(model=args.model, target=args.target, method="activation", retain=retain,
-                                        out=str(pkg), format="onnx", threads=args.threads, quant=quant,
-                                        onnx=OnnxSettings(int8=args.onnx_int8 if quant == "int8" else "dynamic"),
+                                        out=str(pkg), format="onnx", threads=args.threads,
+                                        quant=quant.removesuffix("+head"), quant_head=quant.endswith("+head"),
+                                        onnx=OnnxSettings(int8=args.onnx_int8 if quant != "none" else "dynamic"),
                                         data=DataConfig(calib=str(calib), calib_windows=args.calib_windows,
                                                         eval_windows=args.eval_windows, seq_len=args.seq_len),
                                         heal=HealSettings(tokens=0), refit=RefitSettings(on=False)))["manifest"]  # speed: heal and refit keep the shapes
         c = m.checks["onnx"]
         entry = {"retain": retain, "package": str(pkg),
                  "quant": quant if quant == "none" else f"{quant} {m.onnx.get('int8_activations', 'dynamic')}",
+                 "bench": _level_name(retain, quant, args),
                  "perplexity": (m.perplexity or {}).get("pruned"),
                  "optimize_wall_s": m.wall_s if args.reuse else round(time.time() - t0, 1),
                  "retain_achieved": m.method["retain_achieved"], "shape": m.method["shape"],
@@ -119,7 +124,7 @@ def main() -> None:
             results["levels"].append(entry)
         benchlib.update_result(path, results)
     for level in results["levels"] if not args.skip_serve else []:
-        bench_dir = out / f"bench-r{level['retain']:.2f}"
+        bench_dir = out / f"bench-{level['bench']}"
         cmd = [str(ROOT / ".venv" / "bin" / "bench"), level["package"], "--baseline", results["dense"]["package"], "--concurrency", args.concurrency,
                 "--rounds", str(args.rounds), "--prompt-tokens", str(args.prompt_tokens),
                 "--output-tokens", str(args.output_tokens), "--port", str(args.port), "--out", str(bench_dir),
@@ -139,6 +144,11 @@ def _as_written(x: dict) -> str:
     return (f"; the QDQ graph as written, rounding as onnxruntime did at {x['near_ties_taken_from_onnxruntime']} "
             f"near-ties of {x['activations_compared']:,} quantized values: {x['prefill']['logits_max_abs_diff']:.2e} / "
             f"{x['decode']['logits_max_abs_diff']:.2e}, caches {x['prefill']['present_max_abs_diff']:.2e}")
+
+
+def _level_name(retain: float, quant: str, args) -> str:
+    """A level's package and bench folder: r0.70, r1.00-int8, r1.00-int8+head-qdq."""
+    return f"r{retain:.2f}" + ("" if quant == "none" else f"-{quant}" + ("-qdq" if args.onnx_int8 == "qdq" else ""))
 
 
 def _name(args) -> str:
@@ -181,7 +191,7 @@ def _markdown(results: dict) -> str:
     for lv in ([d] if d else []) + results["levels"]:
         v = lv["validation"]
         tie = v.get("greedy_parted_at_near_tie")
-        lines.append(f"- r={lv['retain']:.2f}: {v['prefill_max_abs_diff']:.2e} / {v['decode_max_abs_diff']:.2e}; "
+        lines.append(f"- {lv.get('bench') or 'r%.2f' % lv['retain']} {lv.get('quant', 'none')}: {v['prefill_max_abs_diff']:.2e} / {v['decode_max_abs_diff']:.2e}; "
                      f"greedy {v['greedy_matched']}/{v['greedy_tokens']}"
                      + (f", parted at a near-tie at token {tie['step']} (logit margin {tie['logit_margin']:.3f})"
                         if tie else "")

@@ -201,9 +201,13 @@ class OptimizeConfig:
     quant: str = setting("auto", "auto (the precision the target's tensor cores and the engine's kernels accelerate: "
                                  "`profiles`) | int8 (W8A8) | fp8 (W8A8, E4M3) | w4a16 (4-bit weights; never auto) | "
                                  "none")
-    quant_head: bool = setting(False, "with --quant int8 or fp8 (W8A8): the LM head too, untied from the embedding "
-                                      "(which stays 16-bit); a search adds such candidates beside the others. Read in "
-                                      "vLLM's source, not yet served by vLLM in a test (docs/quantize.md)")
+    # Three states: the head's INT8 is checked end to end for onnxruntime here (the exporter runs it),
+    # not yet served by vLLM in a test (its test needs AVX-512), so the default differs by format.
+    quant_head: bool | None = setting(None, "the LM head in the blocks' W8A8 too, untied from the embedding (which "
+                                            "is not quantized). none: an ONNX search scores INT8 candidates with "
+                                            "and without it, a vLLM one without | true: with --quant int8 or fp8, "
+                                            "or beside the others in a search (vLLM: read in its source, not yet "
+                                            "served in a test: docs/quantize.md) | false: never")
     zeroshot: int = setting(0, "documents of each zero-shot task (ARC-Easy, PIQA, HellaSwag) scored dense, before and "
                                "after healing; 0: none (minutes for 500)")
     data: DataConfig = field(default_factory=DataConfig)

@@ -236,7 +236,7 @@ def resolve(cfg, target: Profile, adapter, hf_config, fewer_blocks: bool = True,
         plan.quant_reason = plan.quant_reason.replace(f"--quant {cfg.quant} requested", chosen_by)
     if cfg.quant_head:
         _refuse_quant_head(plan, adapter)
-    plan.quant_head = cfg.quant_head
+    plan.quant_head = bool(cfg.quant_head)
     if plan.quant == "w4a16" and target.kind != "cpu":  # the cpu target refuses shapes its kernel cannot take
         plan.quant_reason += _marlin_note(hf_config.hidden_size)
     if cfg.format == "onnx" and plan.quant == "int8":  # not vLLM's kernel table: onnxruntime's own INT8

@@ -140,7 +140,8 @@ GPTQ_PRECISIONS: tuple[str, ...] = ()
 #            other ONNX runtimes read, and a token's result no longer depends on its batch.
 # The PyTorch twin the job evaluates and the exporter validates against is that model: the weights
 # put on the same grid here (onnxruntime re-derives exactly these integers from them), the
-# activations fake-quantized by the ONNX operator's own formula in a pre-hook of each block Linear.
+# activations fake-quantized by the ONNX operator's own formula in a pre-hook of each block Linear
+# (and of the LM head with `QuantConfig.head`: untied, smoothed into the final norm, its MatMul INT8).
 ORT_INT8 = {"dynamic": "onnxruntime dynamic INT8 (int8 per-channel weights, uint8 per-tensor dynamic activations)",
             "qdq": "onnxruntime static INT8, QDQ (int8 per-channel weights, int8 per-tensor static activations)"}
 

@@ -254,6 +254,6 @@ def render_sparse(m: Manifest) -> str:
 def _kept_unquantized(q: dict, rest: str) -> str:
     """What the quantization section leaves in `rest` precision: the head and the embedding, or with
     quant_head the embedding alone (the head untied from it)."""
-    if q.get("head", "16-bit") != "16-bit":
+    if "lm_head" not in q.get("ignore", ["lm_head"]):
         return f"the LM head too, untied; {', '.join(q['ignore'] + ['the embedding'])} {rest}"
     return f"{', '.join(q['ignore'])} and the embedding {rest}"

@@ -166,9 +166,11 @@ def candidates(cfg, target, adapter, hf_config) -> list[Candidate]:
     structures = [("dense", 1.0)]
     structures += [("width", r) for r in RETAINS if widths]
     structures += [("blocks", r) for r in RETAINS if blocks]
-    # quant_head: each W8A8 candidate also with its LM head quantized, beside the one without
+    # quant_head: each W8A8 candidate also with its LM head quantized, beside the one without (by
+    # default for onnxruntime's INT8, whose head the exporter checks end to end)
+    heads = cfg.quant_head if cfg.quant_head is not None else cfg.format == "onnx"
     precisions = [(p, False) for p in precisions] + [(p, True) for p in precisions
-                                                     if cfg.quant_head and p in quantize.HEAD_PRECISIONS]
+                                                     if heads and p in quantize.HEAD_PRECISIONS]
     out = []
     for structure, retain in structures:
         method = "depth" if structure == "blocks" else "structured"

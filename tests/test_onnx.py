@@ -725,6 +725,56 @@ def _fused_int8_matmuls(graph_path: Path, tmp_path: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("form", ["dynamic", "qdq"])
+def test_optimize_onnx_int8_with_the_lm_head(tiny_dirs, text_file, tmp_path, form):
+    """quant_head=true: the LM head untied from the embedding (whose lookup keeps the fp32 table) and its
+    MatMul in onnxruntime's INT8 like the blocks' (MatMulInteger, or behind a QDQ pair with the twin's
+    scale), validated against the twin whose head input is fake-quantized the same way."""
+    import onnx
+    from onnx import numpy_helper
+    r = _optimize(tiny_dirs["llama"], text_file, tmp_path / "head", 0.6, "--quant", "int8",
+                  "--set", "quant_head=true", "--set", f"onnx.int8={form}")
+    assert r.exit_code == 0, r.output
+    pkg = tmp_path / "head"
+    m = json.loads((pkg / "manifest.json").read_text())
+    assert m["onnx"]["int8_matmuls"] == 2 * 6 + 1 and m["onnx"]["tied_embeddings"] is False
+    q = m["quantization"]
+    assert q["linears"] == 2 * 6 + 1 and q["ignore"] == ["down_proj"] and q["head"].startswith("int8")
+    assert "the LM head's input" in q["smoothing"]["points"] and "the LM head too" in (pkg / "report.md").read_text()
+    graph = onnx.load(str(pkg / "model.onnx")).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    assert inits["embed"].dtype == np.float32  # the lookup's table
+    if form == "dynamic":
+        head = next(n for n in graph.node if n.name.startswith(onnx_export.HEAD_MATMUL))
+        assert head.op_type == "MatMulInteger" and inits[head.input[1]].dtype == np.int8
+    else:
+        head = next(n for n in graph.node if n.name == onnx_export.HEAD_MATMUL)
+        dq_x, dq_w = producer[head.input[0]], producer[head.input[1]]
+        assert dq_x.op_type == dq_w.op_type == "DequantizeLinear" and inits[dq_w.input[0]].dtype == np.int8
+        assert onnx_export.HEAD_KEY in onnx_export.qdq_pairs(graph)  # its scale checked bit for bit by the exporter
+    c = m["checks"]["onnx"]
+    assert c["greedy"]["tokens"] == 32 and c["prefill"]["logits_max_abs_diff"] <= max(
+        c["tolerance_of_scale"] * max(1.0, c["prefill"]["logits_max_abs"]), 2 * c["reference_twin_noise"])
+
+
+def test_the_int8_matmuls_are_the_roles_asked_for_and_the_head_only_untied(tmp_path):
+    assert onnx_export.is_int8_matmul("/layers.3/q/MatMul", ("q", "k")) and onnx_export.int8_key("/layers.3/q/MatMul") == (3, "q")
+    assert not onnx_export.is_int8_matmul("/layers.3/down/MatMul", ("q", "k"))
+    assert not onnx_export.is_int8_matmul("/layers.3/attn/MatMul_1", ("q", "k"))  # attention's own products
+    assert not onnx_export.is_int8_matmul(onnx_export.HEAD_MATMUL, ("q",))
+    assert onnx_export.is_int8_matmul(onnx_export.HEAD_MATMUL, ("q", onnx_export.HEAD_ROLE))
+    assert onnx_export.int8_key(onnx_export.HEAD_MATMUL) == onnx_export.HEAD_KEY
+    # a tied head is `embed @ x^T`: no MatMul of its own to quantize, said in one line
+    from tests.conftest import tiny_model
+    model = tiny_model("llama")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    graph = onnx_export.export_decoder(model, tmp_path / "tied.onnx")
+    with pytest.raises(ValidationError, match="untie it first"):
+        onnx_export.quantize_graph(tmp_path / "tied.onnx", tmp_path / "int8.onnx", graph["external_data"], ("q", "head"))
+
+
+@pytest.mark.slow
 def test_qdq_pairs_sharing_constants_are_not_fused(tiny_dirs, text_file, tmp_path, monkeypatch):
     """Why each pair gets its own scale and zero point: q, k and v's dedicated pairs with shared
     constants are merged back into one by onnxruntime, which then fuses only o_proj's MatMul (the

@@ -244,6 +244,11 @@ def test_a_candidate_is_not_measured_where_a_more_intact_more_precise_one_is_ove
     (["--target", "a100", "--quant", "int8"], ["| width 90%, INT8 W8A8 |"], ["16-bit", "W4A16"]),
     (["--target", "a100", "--set", "quant_head=true"], ["| no pruning, INT8 W8A8 |", "| width 90%, INT8 W8A8 + LM head |"],
      ["16-bit + LM head", "W4A16 + LM head"]),
+    (["--target", "cpu", "--format", "onnx"],  # quant_head's default: onnxruntime's INT8 head beside the blocks'
+     ["| no pruning, INT8 W8A8 |", "| no pruning, INT8 W8A8 + LM head |", "| width 90%, INT8 W8A8 + LM head |"],
+     ["16-bit + LM head"]),
+    (["--target", "cpu", "--format", "onnx", "--set", "quant_head=false"], ["| no pruning, INT8 W8A8 |"], ["LM head"]),
+    (["--target", "cpu"], ["| no pruning, INT8 W8A8 |"], ["LM head"]),  # vLLM's: not yet served in a test
 ])
 def test_the_candidates_are_the_structures_and_precisions_the_target_serves(tokenizer, text_file, eval_file, tmp_path,
                                                                            args, has, lacks):
