@@ -3,6 +3,7 @@
     .venv/bin/python bench/onnx.py                        # full protocol (SmolLM2, r 0.7 and 0.5)
     .venv/bin/python bench/onnx.py --retain 1.0 --quant int8   # INT8 of the dense model against its fp32 graph
     .venv/bin/python bench/onnx.py --retain 1.0 --quant int8 int8+head   # and with the LM head INT8 too (quant_head)
+    .venv/bin/python bench/onnx.py --retain 1.0 --quant int8 int8+head --ppl-windows 8   # and each graph's perplexity
     .venv/bin/python bench/onnx.py --model DIR --calib FILE --seq-len 64 --calib-windows 2 \\
         --eval-windows 1 --retain 0.6 --rounds 1 --requests 4 --output-tokens 8 --out /tmp/x   # smoke run
 
@@ -11,7 +12,9 @@ uniform layout) at each --retain with calibration on WikiText-2 validation (16 x
 as bench/spine.py), exported with `--format onnx` (fp32, validated on export), plus the dense
 model through the same path (`--retain 1.0`) as the baseline. Then `bench PACKAGE --baseline
 DENSE_PACKAGE` at concurrency 1 and 4: the ONNX server (runtime/ort_server.py, continuous
-batching) for each, alternating for --rounds rounds, best-of-N reported. The ideal ratio is
+batching) for each, alternating for --rounds rounds, best-of-N reported. --ppl-windows N: each
+package's graph itself, run by onnxruntime, on N windows of 2048 tokens of WikiText-2 test and of
+exllamav2's c4 sample (texts no package reads), each window one prefill. The ideal ratio is
 dense / pruned ONNX weight bytes (what a memory-bound decode step streams). Writes onnx.json
 and onnx.md into a new run folder bench/results/onnx/<date>-<commit>/ (or --out, which must
 not hold an onnx.json yet); packages go under out/onnx/ (ignored by git).
@@ -60,6 +63,9 @@ def main() -> None:
                          "--onnx-int8; int8+head: the LM head too, quant_head); the dense baseline stays fp32")
     ap.add_argument("--onnx-int8", default="dynamic", choices=["dynamic", "qdq"],
                     help="with --quant int8: activations quantized at run time, or static scales in QDQ form")
+    ap.add_argument("--ppl-windows", type=int, default=0,
+                    help="perplexity of each graph in onnxruntime on this many 2048-token windows of WikiText-2 test "
+                         "and of c4; 0: none")
     ap.add_argument("--port", type=int, default=8131)
     ap.add_argument("--skip-serve", action="store_true", help="packages, export and validation times only")
     ap.add_argument("--reuse", action="store_true",
@@ -117,6 +123,8 @@ def main() -> None:
                                 "greedy_parted_at_near_tie": c["greedy"].get("parted_at_near_tie"),
                                 "tolerance_of_scale": c.get("tolerance_of_scale"),
                                 "as_written": c.get("as_written")}}  # a QDQ graph's exact check (docs/onnx.md)
+        if args.ppl_windows:
+            entry.update(_graph_perplexities(pkg, m, args))
         if k == 0:
             results["dense"] = entry
         else:
@@ -146,6 +154,35 @@ def _as_written(x: dict) -> str:
             f"{x['decode']['logits_max_abs_diff']:.2e}, caches {x['prefill']['present_max_abs_diff']:.2e}")
 
 
+def _graph_perplexities(pkg: Path, m: Manifest, args) -> dict:
+    """The package's graph run by onnxruntime (one prefill a window) on WikiText-2 test and c4."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from optimizer import data
+    from runtime.ort_server import OrtDecoder
+    tok = AutoTokenizer.from_pretrained(pkg)
+    c4_file = data.builtin_sample("c4.utf8")
+    if c4_file is None:
+        raise SystemExit("error: exllamav2's c4 sample is not installed (make setup installs it)")
+    texts = {"wikitext2": benchlib.wikitext_windows(tok, "test", args.ppl_windows, data_dir=Path(args.data)),
+             "c4": data.token_windows(tok, data.read_text_file(c4_file, "c4 sample").text, 2048, args.ppl_windows)}
+    dec = OrtDecoder(pkg / m.onnx["files"][0], threads=args.threads)
+    out = {}
+    for name, windows in texts.items():
+        nll, count = 0.0, 0
+        for w in windows.numpy():
+            ids = w[None]
+            logits, _ = dec.run(ids, np.ones_like(ids), np.arange(ids.shape[1])[None], dec.empty_past(1))
+            z = torch.from_numpy(logits[0, :-1]).float()
+            nll += float(torch.nn.functional.cross_entropy(z, torch.from_numpy(w[1:]), reduction="sum"))
+            count += len(w) - 1
+        out[name] = float(np.exp(nll / count))
+    print(f"{pkg.name}: onnxruntime perplexity WikiText-2 {out['wikitext2']:.3f}, c4 {out['c4']:.3f} "
+          f"({args.ppl_windows} x 2048 tokens each)", flush=True)
+    return {"graph_perplexity": {**out, "windows": args.ppl_windows, "seq_len": 2048}}
+
+
 def _level_name(retain: float, quant: str, args) -> str:
     """A level's package and bench folder: r0.70, r1.00-int8, r1.00-int8+head-qdq."""
     return f"r{retain:.2f}" + ("" if quant == "none" else f"-{quant}" + ("-qdq" if args.onnx_int8 == "qdq" else ""))
@@ -164,14 +201,21 @@ def _markdown(results: dict) -> str:
              f"({p['calib_windows']} x {p['seq_len']} tokens); runtime/ort_server.py with {p['threads']} threads, "
              f"prompts of {p['prompt_tokens']} random tokens, {p['output_tokens']} output tokens, best of "
              f"{p['rounds']} alternating rounds against the dense model exported the same way.", ""]
-    header = ["retain (achieved)", "shape (heads/KV/MLP)", "precision", "PPL", "ONNX MB", "ideal",
+    graph_ppl = "graph_perplexity" in (d or {})
+    ppl_header = ["WikiText-2 PPL (graph)", "c4 PPL (graph)"] if graph_ppl else []
+
+    def ppl_cells(x):
+        g = x.get("graph_perplexity")
+        return [f"{g['wikitext2']:.2f}", f"{g['c4']:.2f}"] if g else ["—"] * len(ppl_header)
+
+    header = ["retain (achieved)", "shape (heads/KV/MLP)", "precision", "PPL", *ppl_header, "ONNX MB", "ideal",
               *[h for c in levels for h in (f"tok/s dense/pruned c={c}", f"ratio c={c}", f"of ideal c={c}")],
               "export", "validation"]
     rows = []
     if d:
         s = d["shape"]
         rows.append(["dense", f"{s['num_heads']}/{s['num_kv_heads']}/{s['intermediate_size']}",
-                     d.get("quant", "none"), f(d.get("perplexity")), f"{d['onnx_bytes'] / 1e6:.0f}", "1.00x", *["—"] * (3 * len(levels)),
+                     d.get("quant", "none"), f(d.get("perplexity")), *ppl_cells(d), f"{d['onnx_bytes'] / 1e6:.0f}", "1.00x", *["—"] * (3 * len(levels)),
                      f"{d['export_s']:.1f} s", f"{d['validate_s']:.1f} s"])
     for lv in results["levels"]:
         s, sv = lv["shape"], lv.get("serving", {})
@@ -182,16 +226,16 @@ def _markdown(results: dict) -> str:
                       f(x.get('ratio')), f(x.get('fraction_of_ideal'), '{:.0%}')]
         rows.append([f"{lv['retain']:.2f} ({lv['retain_achieved']:.3f})",
                      f"{s['num_heads']}/{s['num_kv_heads']}/{s['intermediate_size']}", lv.get("quant", "none"),
-                     f(lv.get("perplexity")), f"{lv['onnx_bytes'] / 1e6:.0f}",
+                     f(lv.get("perplexity")), *ppl_cells(lv), f"{lv['onnx_bytes'] / 1e6:.0f}",
                      f"{lv['ideal_ratio']:.2f}x", *cells, f"{lv['export_s']:.1f} s", f"{lv['validate_s']:.1f} s"])
-    lines.append(benchlib.markdown_table(header, rows, align="lllrrr" + "rrr" * len(levels) + "rr"))
+    lines.append(benchlib.markdown_table(header, rows, align="lllr" + "r" * len(ppl_header) + "rr" + "rrr" * len(levels) + "rr"))
     lines += ["", "Validation on export (max |logit diff| vs PyTorch, prefill / decode; greedy tokens matched, or where "
                   "the two parted at a near-tie, which the check allows; an INT8 graph is held to its fake-quantized "
                   "PyTorch twin with a wider tolerance, docs/onnx.md):", ""]
     for lv in ([d] if d else []) + results["levels"]:
         v = lv["validation"]
         tie = v.get("greedy_parted_at_near_tie")
-        lines.append(f"- {lv.get('bench') or 'r%.2f' % lv['retain']} {lv.get('quant', 'none')}: {v['prefill_max_abs_diff']:.2e} / {v['decode_max_abs_diff']:.2e}; "
+        lines.append(f"- {lv.get('bench') or 'r=%.2f' % lv['retain']}: {v['prefill_max_abs_diff']:.2e} / {v['decode_max_abs_diff']:.2e}; "
                      f"greedy {v['greedy_matched']}/{v['greedy_tokens']}"
                      + (f", parted at a near-tie at token {tie['step']} (logit margin {tie['logit_margin']:.3f})"
                         if tie else "")
