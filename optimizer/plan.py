@@ -232,8 +232,6 @@ def resolve(cfg, target: Profile, adapter, hf_config, fewer_blocks: bool = True,
     kind = registry.kind_class(plan.kind)
     kind.refuse(cfg, plan, adapter, hf_config)
     choose_quant(plan, cfg.quant, not_quantized=_not_quantized(cfg, plan, moe))
-    if chosen_by:
-        plan.quant_reason = plan.quant_reason.replace(f"--quant {cfg.quant} requested", chosen_by)
     if cfg.quant_head:
         _refuse_quant_head(plan, adapter)
     plan.quant_head = bool(cfg.quant_head)
@@ -242,10 +240,13 @@ def resolve(cfg, target: Profile, adapter, hf_config, fewer_blocks: bool = True,
     if cfg.format == "onnx" and plan.quant == "int8":  # not vLLM's kernel table: onnxruntime's own INT8
         form = ("dynamic INT8 (MatMulInteger" if cfg.onnx.int8 == "dynamic" else
                 "static INT8 in QDQ form (QuantizeLinear / DequantizeLinear pairs")
-        plan.quant_reason = (f"--quant int8 requested: onnxruntime's {form}, run by onnxruntime on the CPU), "
-                             f"whatever kernels the target's GPU has" if cfg.quant == "int8" else
+        plan.quant_reason = (f"--quant int8 requested: onnxruntime's {form}, run by onnxruntime on the CPU)"
+                             + (", whatever kernels the target's GPU has" if target.kind != "cpu" else "")
+                             if cfg.quant == "int8" else
                              f"the cpu target's INT8 kernels (VNNI / AMX) through onnxruntime's {form}, its CPU "
                              f"provider's integer kernels)")
+    if chosen_by:  # a search's candidate: not the user's request
+        plan.quant_reason = plan.quant_reason.replace(f"--quant {cfg.quant} requested", chosen_by)
     if cfg.onnx.int8 != "dynamic" and plan.quant != "int8":
         raise UserError(f"onnx.int8={cfg.onnx.int8} needs INT8 weights, but "
                         f"{plan.quant_reason.removesuffix(' (--quant auto)')}")

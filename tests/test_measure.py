@@ -127,6 +127,10 @@ def test_a_measured_search_times_every_finalist_and_ships_the_fastest_measured(t
     assert chosen in finalists and chosen["measured"]["decode_speedup_b16"] >= fastest * (1 - timing["scatter"]) - 1e-3
     assert "measured" in f["why"] and "measured" in (out / "report.md").read_text()
     assert (out / "frontier.png").is_file() and not (out / ".measure").exists()
+    # an ONNX search scores onnxruntime's INT8 with and without the LM head (quant_head's default there)
+    assert {(c["precision"], c["head"]) for c in f["candidates"] if c["structure"] == "dense"} == \
+        {("none", False), ("int8", False), ("int8", True)}
+    assert "requested" not in m["plan"]["text"]  # the search chose the precision, not the user
 
 
 @pytest.mark.slow
