@@ -746,8 +746,9 @@ def test_optimize_onnx_int8_with_the_lm_head(tiny_dirs, text_file, tmp_path, for
     inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
     assert inits["embed"].dtype == np.float32  # the lookup's table
     if form == "dynamic":
-        head = next(n for n in graph.node if n.name.startswith(onnx_export.HEAD_MATMUL))
-        assert head.op_type == "MatMulInteger" and inits[head.input[1]].dtype == np.int8
+        head = [n for n in graph.node if n.name.startswith(onnx_export.HEAD_MATMUL) and n.op_type == "MatMulInteger"]
+        assert len(head) == 1 and inits[head[0].input[1]].dtype == np.int8
+        assert not any(n.name == onnx_export.HEAD_MATMUL for n in graph.node)  # the float MatMul replaced
     else:
         head = next(n for n in graph.node if n.name == onnx_export.HEAD_MATMUL)
         dq_x, dq_w = producer[head.input[0]], producer[head.input[1]]
