@@ -15,7 +15,8 @@ DENSE_PACKAGE` at concurrency 1 and 4: the ONNX server (runtime/ort_server.py, c
 batching) for each, alternating for --rounds rounds, best-of-N reported. --ppl-windows N: each
 package's graph itself, run by onnxruntime, on N windows of 2048 tokens of WikiText-2 test and of
 exllamav2's c4 sample (texts no package reads), each window one prefill. The ideal ratio is
-dense / pruned ONNX weight bytes (what a memory-bound decode step streams). Writes onnx.json
+dense / pruned ONNX weight bytes (what a memory-bound decode step streams; for INT8 the manifest's
+`size.ideal_ratio_quantized`, which leaves out an untied embedding that is only looked up). Writes onnx.json
 and onnx.md into a new run folder bench/results/onnx/<date>-<commit>/ (or --out, which must
 not hold an onnx.json yet); packages go under out/onnx/ (ignored by git).
 """
@@ -128,7 +129,8 @@ def main() -> None:
         if k == 0:
             results["dense"] = entry
         else:
-            entry["ideal_ratio"] = results["dense"]["onnx_bytes"] / entry["onnx_bytes"]
+            entry["ideal_ratio"] = (m.size.get("ideal_ratio_quantized") if quant != "none" else None) or \
+                results["dense"]["onnx_bytes"] / entry["onnx_bytes"]
             results["levels"].append(entry)
         benchlib.update_result(path, results)
     for level in results["levels"] if not args.skip_serve else []:

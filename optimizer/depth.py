@@ -224,4 +224,4 @@ class Depth:
 
     def export(self, job: Job, pruned, manifest: Manifest, quantized=None) -> None:
         from optimizer.structured import Structured
-        Structured().export(job, pruned, manifest)  # the uniform layout's exporters, as they are
+        Structured().export(job, pruned, manifest, quantized)  # the uniform layout's exporters, as they are

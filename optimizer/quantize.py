@@ -165,7 +165,8 @@ def ort_weight_max() -> int:
 class OrtInt8:
     """The activation hooks of a model quantized for onnxruntime; `float_activations()` turns them
     off (the exporter's fp32 graph is checked against the model without them). `linears`: the INT8
-    Linears by (block index, role) (the exporter quantizes the MatMuls `/layers.{i}/{role}/MatMul`);
+    Linears by (block index, role) (the exporter quantizes the MatMuls `/layers.{i}/{role}/MatMul`), the
+    LM head's by exporters/onnx.HEAD_KEY;
     `scales`: for QDQ, each one's static activation scale by the same key; None: dynamic."""
 
     def __init__(self, linears: dict, weight_max: int = 127, scales: dict | None = None):

@@ -255,5 +255,5 @@ def _kept_unquantized(q: dict, rest: str) -> str:
     """What the quantization section leaves in `rest` precision: the head and the embedding, or with
     quant_head the embedding alone (the head untied from it)."""
     if "lm_head" not in q.get("ignore", ["lm_head"]):
-        return f"the LM head too, untied; {', '.join(q['ignore'] + ['the embedding'])} {rest}"
+        return f"the LM head too, untied; {''.join(f'{name} and ' for name in q['ignore'])}the embedding {rest}"
     return f"{', '.join(q['ignore'])} and the embedding {rest}"

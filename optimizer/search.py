@@ -176,6 +176,8 @@ def candidates(cfg, target, adapter, hf_config) -> list[Candidate]:
         method = "depth" if structure == "blocks" else "structured"
         for precision, head in precisions:
             pinned = dataclasses.replace(cfg, retain=retain, method=method, quant=precision, quant_head=head)
+            if precision != "int8":  # onnx.int8 (QDQ or dynamic) is the form of the INT8 candidates alone
+                pinned = dataclasses.replace(pinned, onnx=dataclasses.replace(cfg.onnx, int8="dynamic"))
             try:
                 plan = planner.resolve(pinned, target, adapter, hf_config, fewer_blocks=False,
                                        chosen_by="the search's candidate")

@@ -163,12 +163,14 @@ def test_a_fixed_cost_per_block_makes_fewer_whole_blocks_faster_than_narrower_on
         assert depth["weight_bytes_ratio"] == pytest.approx(width["weight_bytes_ratio"], rel=0.05)
 
 
-@pytest.mark.parametrize("family, fmt", [("phi3", "vllm"), ("llama", "onnx")])
+@pytest.mark.parametrize("family, fmt, quant", [("phi3", "vllm", "none"), ("llama", "onnx", "none"),
+                                                ("llama", "onnx", "int8")])
 @pytest.mark.slow
 def test_a_depth_package_of_phi3_and_an_onnx_one_load_back_with_fewer_blocks(tmp_path, tokenizer, text_file,
-                                                                             family, fmt):
+                                                                             family, fmt, quant):
     """Phi-3's checkpoint is rewritten fused from the working model (its config carries the layer
-    count); the ONNX exporter traces the kept blocks and validates them against PyTorch."""
+    count); the ONNX exporter traces the kept blocks and validates them against PyTorch (INT8: the
+    graph quantized by onnxruntime, against the twin with its activation hooks)."""
     from optimizer import load
     if family == "phi3":
         from tests.test_phi3 import tiny_phi3
@@ -181,7 +183,7 @@ def test_a_depth_package_of_phi3_and_an_onnx_one_load_back_with_fewer_blocks(tmp
     m = optimize(OptimizeConfig(model=str(src), target="a100", method="depth", retain=0.5, out=str(out), format=fmt,
                                 data=DataConfig(calib=str(text_file), eval=str(text_file), calib_windows=2,
                                                 eval_windows=1, seq_len=64),
-                                heal=HealSettings(tokens=0), quant="none"), log=lambda *_: None)["manifest"]
+                                heal=HealSettings(tokens=0), quant=quant), log=lambda *_: None)["manifest"]
     kept = m.method["blocks"]["kept"]
     assert len(kept) == 3 and json.loads((out / "config.json").read_text())["num_hidden_layers"] == 3
     if fmt == "vllm":
@@ -189,3 +191,4 @@ def test_a_depth_package_of_phi3_and_an_onnx_one_load_back_with_fewer_blocks(tmp
         assert type(model).__name__ == "Phi3ForCausalLM" and len(model.model.layers) == 3
     else:
         assert (out / "model.onnx").is_file() and "the dense model skipping the removed blocks" in (out / "report.md").read_text()
+        assert m.onnx.get("int8_matmuls", 0) == (3 * 6 if quant == "int8" else 0)

@@ -248,6 +248,9 @@ def test_a_candidate_is_not_measured_where_a_more_intact_more_precise_one_is_ove
      ["| no pruning, INT8 W8A8 |", "| no pruning, INT8 W8A8 + LM head |", "| width 90%, INT8 W8A8 + LM head |"],
      ["16-bit + LM head"]),
     (["--target", "cpu", "--format", "onnx", "--set", "quant_head=false"], ["| no pruning, INT8 W8A8 |"], ["LM head"]),
+    # onnx.int8=qdq is the INT8 candidates' form; the 16-bit ones are searched beside them, not refused
+    (["--target", "cpu", "--format", "onnx", "--set", "onnx.int8=qdq"], ["| no pruning, 16-bit |", "| width 90%, 16-bit |",
+                                                                        "| no pruning, INT8 W8A8 + LM head |"], ["blocks"]),
     (["--target", "cpu"], ["| no pruning, INT8 W8A8 |"], ["LM head"]),  # vLLM's: not yet served in a test
 ])
 def test_the_candidates_are_the_structures_and_precisions_the_target_serves(tokenizer, text_file, eval_file, tmp_path,
