@@ -61,6 +61,22 @@ def wikitext_windows(tok, split: str, n_windows: int | None, seq_len: int = 2048
     return data.token_windows(tok, data.read_text_file(data_file(split, data_dir)).text, seq_len, n_windows)
 
 
+def c4_file() -> Path:
+    """exllamav2's c4 sample, the second text no run trains or tunes on; exits in one line where it
+    is not installed (check it before the long work)."""
+    from optimizer import data
+    path = data.builtin_sample("c4.utf8")
+    if path is None:
+        raise SystemExit("error: exllamav2's c4 sample is not installed (make setup installs it)")
+    return path
+
+
+def c4_windows(tok, n_windows: int | None, seq_len: int = 2048):
+    """The first `n_windows` windows of `seq_len` tokens of the c4 sample, as wikitext_windows."""
+    from optimizer import data
+    return data.token_windows(tok, data.read_text_file(c4_file(), "c4 sample").text, seq_len, n_windows)
+
+
 # --- the run: its commit, its command, its folder --------------------------------------------------
 
 def _git(*args: str) -> str | None:

@@ -78,15 +78,13 @@ def main() -> None:
 
     import torch
 
-    from optimizer import data, evaluate, load
+    from optimizer import evaluate, load
     from optimizer.pipeline import DataConfig, DDPSettings, HealSettings, OptimizeConfig, optimize
     torch.set_num_threads(args.threads)
     out = benchlib.run_dir("heal", args.out)
     path = out / "heal.json"
     test_file = benchlib.data_file("test", Path(args.data))
-    c4_file = data.builtin_sample("c4.utf8")
-    if c4_file is None:
-        raise SystemExit("error: exllamav2's c4 sample is not installed (make setup installs it)")
+    c4_file = benchlib.c4_file()
     # what every row of the folder shares (a later invocation with --out must match it), and
     # each invocation's own methods, levels, budgets and commit
     protocol = {"heal_data": args.heal_data, "heal_chat": args.heal_chat, "heal_lr": args.heal_lr,
@@ -104,7 +102,7 @@ def main() -> None:
 
     source = load.resolve(None)
     dense, tok = load.load_model(source)
-    c4 = data.token_windows(tok, data.read_text_file(c4_file, "c4 sample").text, 2048, args.eval_windows)
+    c4 = benchlib.c4_windows(tok, args.eval_windows)
     test = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=Path(args.data))
     if "dense" not in benchlib.read_result(path, {}) and args.dense_from:
         benchlib.update_result(path, {"dense": _dense_from(Path(args.dense_from), protocol)})

@@ -78,6 +78,8 @@ def main() -> None:
         ap.error("--onnx-int8 qdq applies to --quant int8")
     levels = [(retain, quant) for retain in args.retain for quant in args.quant]
 
+    if args.ppl_windows:
+        benchlib.c4_file()  # before any package is built
     calib = Path(args.calib) if args.calib else benchlib.data_file("valid", args.data)
     out, packages = benchlib.run_dir("onnx", args.out), Path(args.packages)
     path = benchlib.new_file(out / "onnx.json")
@@ -95,6 +97,7 @@ def main() -> None:
                             **benchlib.run_info()},
                "dense": None, "levels": []}
     # All packages first (the dense one too), then all serving runs back to back.
+    texts = None  # --ppl-windows: tokenized once, every package shares the model's tokenizer
     for k, (retain, quant) in enumerate([(1.0, "none")] + levels):
         # the baseline: the dense fp32 graph (a level may be --retain 1.0 --quant int8)
         pkg = packages / f"{_name(args)}-{_level_name(retain, quant, args)}"
@@ -125,7 +128,8 @@ def main() -> None:
                                 "tolerance_of_scale": c.get("tolerance_of_scale"),
                                 "as_written": c.get("as_written")}}  # a QDQ graph's exact check (docs/onnx.md)
         if args.ppl_windows:
-            entry.update(_graph_perplexities(pkg, m, args))
+            texts = texts or _perplexity_texts(pkg, args)
+            entry.update(_graph_perplexities(pkg, m, texts, args))
         if k == 0:
             results["dense"] = entry
         else:
@@ -156,19 +160,19 @@ def _as_written(x: dict) -> str:
             f"{x['decode']['logits_max_abs_diff']:.2e}, caches {x['prefill']['present_max_abs_diff']:.2e}")
 
 
-def _graph_perplexities(pkg: Path, m: Manifest, args) -> dict:
-    """The package's graph run by onnxruntime (one prefill a window) on WikiText-2 test and c4."""
-    import numpy as np
+def _perplexity_texts(pkg: Path, args) -> dict:
+    """--ppl-windows windows of WikiText-2 test and of c4, by the package's tokenizer."""
     from transformers import AutoTokenizer
-
-    from optimizer import data
-    from runtime.ort_server import OrtDecoder
     tok = AutoTokenizer.from_pretrained(pkg)
-    c4_file = data.builtin_sample("c4.utf8")
-    if c4_file is None:
-        raise SystemExit("error: exllamav2's c4 sample is not installed (make setup installs it)")
-    texts = {"wikitext2": benchlib.wikitext_windows(tok, "test", args.ppl_windows, data_dir=Path(args.data)),
-             "c4": data.token_windows(tok, data.read_text_file(c4_file, "c4 sample").text, 2048, args.ppl_windows)}
+    return {"wikitext2": benchlib.wikitext_windows(tok, "test", args.ppl_windows, data_dir=Path(args.data)),
+            "c4": benchlib.c4_windows(tok, args.ppl_windows)}
+
+
+def _graph_perplexities(pkg: Path, m: Manifest, texts: dict, args) -> dict:
+    """The package's graph run by onnxruntime (one prefill a window) on each of `texts`."""
+    import numpy as np
+
+    from runtime.ort_server import OrtDecoder
     dec = OrtDecoder(pkg / m.onnx["files"][0], threads=args.threads)
     out = {}
     for name, windows in texts.items():

@@ -104,9 +104,7 @@ def main() -> None:
     out = benchlib.run_dir("quant", args.out)
     path = out / "quant.json"
     test_file = benchlib.data_file("test", Path(args.data))
-    c4_file = data.builtin_sample("c4.utf8")
-    if c4_file is None:
-        raise SystemExit("error: exllamav2's c4 sample is not installed (make setup installs it)")
+    c4_file = benchlib.c4_file()
     source = load.resolve(args.model)
     # What every row shares; the documents per zero-shot task and the torch threads are per
     # invocation and per row (several invocations, one process a core, add rows to one folder).
@@ -122,7 +120,7 @@ def main() -> None:
                                   "variants": {}})
     dense, tok = load.load_model(source)
     test = benchlib.wikitext_windows(tok, "test", args.eval_windows, data_dir=Path(args.data))
-    c4 = data.token_windows(tok, data.read_text_file(c4_file, "c4 sample").text, 2048, args.eval_windows)
+    c4 = benchlib.c4_windows(tok, args.eval_windows)
     if "dense" not in benchlib.read_result(path):
         row = {"wikitext2": evaluate.perplexity(dense, test, "dense: WikiText-2"),
                "c4": evaluate.perplexity(dense, c4, "dense: c4"), "package": args.model or "embedded"}
