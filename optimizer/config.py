@@ -185,7 +185,7 @@ class OptimizeConfig:
     retain_by: str = setting("params", "what --retain counts: params | latency (the target's predicted latency)")
     sparsity: str = setting("2:4", "semi-structured methods: an N:M pattern (2:4, 4:8, 2:8) or an unstructured "
                                    "fraction (0.5)")
-    layout: str = setting("uniform", "uniform: the same shape every layer (plain config) | per-layer (--method ddp): "
+    layout: str = setting("uniform", "uniform: the same shape every layer (plain config) | per-layer (--method structured or ddp): "
                                      "DeciLM or plugin package")
     format: str = setting("vllm", "vllm | onnx (with KV cache, for onnxruntime)")
     out: str | None = setting(None, "package directory to create (must not exist); none: out/MODEL-TARGET (a search), "
@@ -391,8 +391,9 @@ def validate(cfg: OptimizeConfig) -> None:
         raise UserError(f"unknown calib_dtype '{cfg.calib_dtype}'; choose from: auto, float32, bfloat16")
     if cfg.layout not in LAYOUTS:
         raise UserError(f"unknown layout '{cfg.layout}'; choose from: {', '.join(LAYOUTS)}")
-    if cfg.layout == "per-layer" and cfg.method != "ddp":
-        raise UserError("layout=per-layer needs --method ddp (the one-shot activation method is uniform-only)")
+    if cfg.layout == "per-layer" and cfg.method not in ("structured", "activation", "ddp"):
+        raise UserError("layout=per-layer needs --method structured (the one-shot widths per block) or ddp "
+                        f"(trained), not --method {cfg.method}")
     if cfg.layout == "per-layer" and cfg.format != "vllm":
         raise UserError(f"layout=per-layer writes vLLM packages only, not --format {cfg.format}")
     d = cfg.ddp

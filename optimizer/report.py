@@ -108,6 +108,10 @@ def _shape_lines(meth: dict) -> list[str]:
              f"| pruned | {shape['num_heads']} | {shape['num_kv_heads']} | {shape['intermediate_size']} |",
              "", "Candidate shapes tried (held-out calibration loss, lower is better):", ""]
     for c in meth["candidates"]:
+        if "alpha" in c:  # the per-layer layout's widths (structured.choose_per_layer)
+            lines.append(f"- per-layer MLP widths {min(c['widths'])}-{max(c['widths'])}, {c['alpha']:.0%} of the way "
+                         f"from uniform to the global ranking: loss {c['held_out_loss']:.4f}")
+            continue
         s = c["shape"]
         lines.append(f"- {s['num_heads']}/{s['num_kv_heads']} heads, {s['intermediate_size']} channels: "
                      f"retention {c['retain']:.3f}, loss {c['held_out_loss']:.4f}")

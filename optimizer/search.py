@@ -7,8 +7,9 @@
                                                                   against the dense model
     choose(candidates, budget) -> (Candidate, why)                the fastest within the quality budget
 
-A candidate is a structure — the dense model, uniform width at a retain, whole blocks where the
-target has a fixed cost per block — in a precision: 16-bit and each one the target's engine has a
+A candidate is a structure — the dense model, uniform width at a retain, the same parameters with
+MLP widths per block where stock vLLM serves them (DeciLM), whole blocks where the target has a fixed
+cost per block — in a precision: 16-bit and each one the target's engine has a
 kernel for. Its quality is measured on held-out text no statistic, shape choice or heal reads: the
 perplexity ratio to the dense model (and the KL) on calibration windows set aside for it, and for a
 model with a chat template on the dense model's own answers to instructions the heal never sees.
@@ -76,7 +77,7 @@ class Budget:
 
 @dataclass
 class Candidate:
-    structure: str                         # dense | width | blocks
+    structure: str                         # dense | width | layers (MLP widths per block) | blocks
     retain: float                          # share of the blocks' parameters kept
     precision: str                         # none | int8 | fp8 | w4a16
     head: bool = False                     # the LM head in `precision` too (quant_head; W8A8 only)
@@ -112,7 +113,7 @@ class Candidate:
         return "16-bit" if self.precision == "none" else QUANT_NAMES[self.precision] + (" + LM head" if self.head else "")
 
     def label(self) -> str:
-        what = {"dense": "no pruning", "width": f"width {self.retain:.0%}",
+        what = {"dense": "no pruning", "width": f"width {self.retain:.0%}", "layers": f"per-layer {self.retain:.0%}",
                 "blocks": f"blocks {self.retain:.0%}"}[self.structure]
         return f"{what}, {self.precision_name()}"
 
@@ -162,9 +163,12 @@ def candidates(cfg, target, adapter, hf_config) -> list[Candidate]:
     not take); --method and --quant narrow the set."""
     precisions = _precisions(cfg, target)
     widths = cfg.method in ("auto", "structured", "activation")
+    # per-layer MLP widths where stock vLLM serves them: DeciLM, a LLaMA layout (exporters/per_layer.py)
+    layers = widths and cfg.format == "vllm" and adapter.per_layer and adapter.llama_layout
     blocks = cfg.method == "depth" or (cfg.method == "auto" and bool(target.block_overhead_ms) and cfg.format == "vllm")
     structures = [("dense", 1.0)]
     structures += [("width", r) for r in RETAINS if widths]
+    structures += [("layers", r) for r in RETAINS if layers]
     structures += [("blocks", r) for r in RETAINS if blocks]
     # quant_head: each W8A8 candidate also with its LM head quantized, beside the one without (by
     # default for onnxruntime's INT8, whose head the exporter checks end to end)
@@ -174,8 +178,10 @@ def candidates(cfg, target, adapter, hf_config) -> list[Candidate]:
     out = []
     for structure, retain in structures:
         method = "depth" if structure == "blocks" else "structured"
+        layout = "per-layer" if structure == "layers" else "uniform"
         for precision, head in precisions:
-            pinned = dataclasses.replace(cfg, retain=retain, method=method, quant=precision, quant_head=head)
+            pinned = dataclasses.replace(cfg, retain=retain, method=method, quant=precision, quant_head=head,
+                                         layout=layout)
             if precision != "int8":  # onnx.int8 (QDQ or dynamic) is the form of the INT8 candidates alone
                 pinned = dataclasses.replace(pinned, onnx=dataclasses.replace(cfg.onnx, int8="dynamic"))
             try:
@@ -312,8 +318,10 @@ def score(job, cands: list[Candidate], reference: Reference, limit: float | None
     from optimizer.depth import Depth
     from optimizer.structured import Structured
     model, adapter = job.model, job.adapter
-    structures = sorted({(c.structure, c.retain) for c in cands}, key=lambda s: (s[0] != "dense", s[0], -s[1]))
-    searchers = {"width": Structured.searcher, "blocks": Depth.searcher}
+    order = ("dense", "width", "layers", "blocks")
+    structures = sorted({(c.structure, c.retain) for c in cands}, key=lambda s: (order.index(s[0]), -s[1]))
+    # width and per-layer share one calibration pass (the one-shot importance)
+    searchers = {"width": Structured.searcher, "layers": Structured.searcher, "blocks": Depth.searcher}
     builders = {}
     windows = job.calib.train[:job.cfg.data.calib_windows]
     dropped, over = [], []
@@ -342,9 +350,11 @@ def score(job, cands: list[Candidate], reference: Reference, limit: float | None
                 if structure == "dense":
                     pruned = model
                 else:
-                    if structure not in builders:
-                        builders[structure] = searchers[structure](job, [r for s, r in structures if s == structure])
-                    pruned = builders[structure](retain)
+                    searcher = searchers[structure]
+                    if searcher not in builders:
+                        builders[searcher] = searcher(job, [r for s, r in structures if searchers.get(s) is searcher])
+                    pruned = (builders[searcher](retain, per_layer=True) if structure == "layers"
+                              else builders[searcher](retain))
                 built_s = time.time() - started
                 started = time.time()
             if structure == "dense" and c.precision == "none":
@@ -421,12 +431,14 @@ def choose(cands: list[Candidate], budget: Budget, heal: bool, scatter: float = 
         why += f"; none within it reaches {budget.min_speedup:.2f}x"
     if not chosen.pruned:
         pruned = sorted((c for c in cands if c.pruned and c.scored and c.precision in (chosen.precision, "none")),
-                        key=lambda c: (-c.retain, c.precision != chosen.precision, c.head != chosen.head))
+                        key=lambda c: (-c.retain, c.precision != chosen.precision, c.head != chosen.head,
+                                       c.quality["ppl_ratio"]))
         if pruned:
             p = pruned[0]
             after = f" ({_plus(p.expected_ratio(heal))} expected after healing)" if heal else ""
             what = "" if p.precision == "none" else f" in {p.precision_name()}"
-            cost = f". Pruning {1 - p.retain:.0%} ({p.structure}{what}) costs {_plus(p.quality['ppl_ratio'])} perplexity on this model{after}"
+            structure = {"layers": "per-layer widths"}.get(p.structure, p.structure)
+            cost = f". Pruning {1 - p.retain:.0%} ({structure}{what}) costs {_plus(p.quality['ppl_ratio'])} perplexity on this model{after}"
             why += (f"{cost}, over the {budget.max_loss:.0%} budget: {chosen.precision_name()} without pruning"
                     if p.expected_ratio(heal) > limit else
                     f"{cost}, within the budget but {p.speed_word()} {p.speedup_b16:.2f}x at batch 16: "
@@ -498,7 +510,7 @@ def plot(cands: list[Candidate], budget: Budget, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     timed = any(c.measured for c in cands)
     for c in (c for c in cands if c.scored):
-        style = {"dense": "o", "width": "s", "blocks": "^"}[c.structure]
+        style = {"dense": "o", "width": "s", "layers": "D", "blocks": "^"}[c.structure]
         color = {"none": "tab:gray", "int8": "tab:blue", "fp8": "tab:purple", "w4a16": "tab:green"}[c.precision]
         color = {"tab:blue": "tab:cyan", "tab:purple": "tab:pink"}[color] if c.head else color
         predicted = timed and not c.measured  # hollow: the roofline's speed among measured ones

@@ -3,7 +3,8 @@
 method   the one-shot activation importance (`--method activation`), or DDP's gates trained
          from that baseline's selection (`--method ddp`); then, uniform layout, the shape that
          meets --retain and loses least on the held-out calibration window (DDP: the shape it
-         was held to), or, per-layer layout, DDP's own shapes at the budget; --refit last
+         was held to), or, per-layer layout, DDP's own shapes at the budget, or the one-shot
+         importance's MLP widths per block (`choose_per_layer`); --refit last
 surgery  physically remove the units (`surgery.prune` / `prune_per_layer`), checked against the
          masked model on the held-out window
 export   a vLLM package (per layer: DeciLM or the plugin's architecture), or ONNX
@@ -69,13 +70,14 @@ class Structured:
         costs = (job.adapter.unit_params(job.model.config) if job.cfg.retain_by == "params"
                  else planner.unit_latency_costs(job.target, job.adapter, job.model.config))
 
-        def build(retain: float):
+        def build(retain: float, per_layer: bool = False):
             candidates = budget.uniform_candidates(job.adapter, job.model.config, retain, costs=costs)
             if not candidates:
                 raise UserError(f"retain {retain} leaves too little of each block for a uniform layout")
-            _, masks, _, _ = choose_uniform(job, importance, costs, candidates)
+            choose = choose_per_layer if per_layer else choose_uniform
+            _, masks, _, _ = choose(job, importance, costs, candidates)
             masks = refit(job, grams, masks, {})
-            return prune(job.model, job.adapter, masks)
+            return per_layer_model(job.model, job.adapter, masks)[0] if per_layer else prune(job.model, job.adapter, masks)
         return build
 
     # --- method: observe → decide ----------------------------------------------------------------
@@ -89,7 +91,9 @@ class Structured:
         else:
             method, detail, refit_stats = train_ddp(job, costs)
         detail["calibration"] = {"source": calib.text.description, "tokens": detail.pop("tokens")}
-        if cfg.layout == "per-layer":
+        if cfg.layout == "per-layer" and job.plan.method == "activation":
+            shape, masks, chosen, tried = choose_per_layer(job, method, costs)
+        elif cfg.layout == "per-layer":
             # DDP's natural result: the units with z > 0, binarised to meet the budget (widths multiples the kernels take);
             # every block keeps its own shape.
             masks = method.budget_masks()
@@ -109,9 +113,7 @@ class Structured:
     def surgery(self, job: Job, decision: Decision):
         model, adapter, masks = job.model, job.adapter, decision.masks
         if job.cfg.layout == "per-layer":
-            pruned = prune_per_layer(model, adapter, masks)
-            fmt, why = per_layer_export.choose(pruned, adapter.llama_layout)
-            pruned = per_layer_export.convert(pruned, fmt)
+            pruned, fmt, why = per_layer_model(model, adapter, masks)
             decision.extra["per_layer"] = {"format": fmt, "format_reason": why, "layer_shapes": layer_shapes(masks)}
             shape = decision.extra["shape"]
             job.log(f"per-layer shapes (mean {shape.num_heads:.2f} heads / {shape.num_kv_heads:.2f} KV heads / "
@@ -133,7 +135,8 @@ class Structured:
                   "retain_requested": cfg.retain, "retain_achieved": chosen["retain"],
                   "retain_budget_achieved": chosen["retain_budget"],
                   "dense_shape": adapter.dense_shape(config).__dict__, "shape": shape.__dict__,
-                  "candidates": x["tried"], "seed": cfg.seed, **decision.detail}
+                  "candidates": x["tried"], "seed": cfg.seed, **decision.detail,
+                  **({"per_layer_alpha": chosen["alpha"]} if "alpha" in chosen else {})}
         size = size_section(model, pruned,
                             config.num_hidden_layers * adapter.block_params(config, adapter.dense_shape(config)),
                             config.num_hidden_layers * adapter.block_params(config, shape))
@@ -158,6 +161,14 @@ class Structured:
                                                        "int8": quantized.ort_int8 if quantized else None}
                                                       if job.cfg.format == "onnx"
                                                       else {"finish_checkpoint": job.finish_checkpoint}))
+
+
+def per_layer_model(model, adapter, masks):
+    """(the pruned model in its package's format, that format, why): surgery per layer, then DeciLM where
+    stock vLLM serves the shapes, else the plugin's architecture (exporters/per_layer.py)."""
+    pruned = prune_per_layer(model, adapter, masks)
+    fmt, why = per_layer_export.choose(pruned, adapter.llama_layout)
+    return per_layer_export.convert(pruned, fmt), fmt, why
 
 
 QUANT_PARAMS = ("_scale", "_zero_point")  # what --quant attaches to a Linear: not the model's parameters
@@ -265,6 +276,40 @@ def choose_uniform(job: Job, method, costs, candidates=None):
                       "retain_budget": budget.retention(adapter, config, shape, costs), "held_out_loss": loss})
     best = min(range(len(candidates)), key=lambda i: tried[i]["held_out_loss"])
     return candidates[best], method.decide(candidates[best]), tried[best], tried
+
+
+# How far the per-layer widths move from the uniform ones toward the global ranking's
+# (ActivationImportance.decide_per_layer); the one that loses least on the held-out calibration window is kept.
+PER_LAYER_ALPHAS = (0.25, 0.5, 1.0)
+
+
+def choose_per_layer(job: Job, importance, costs, candidates=None):
+    """The per-layer layout of the one-shot method: the uniform shape choose_uniform picks (its attention
+    in every block, so the package is DeciLM where the family allows it), its MLP channels moved between
+    blocks by the importance's global ranking, as far (PER_LAYER_ALPHAS) as loses least on the held-out
+    calibration window. Moving channels between blocks keeps the parameters and the roofline of the
+    uniform shape. Returns (mean shape, masks, chosen, tried)."""
+    model, adapter = job.model, job.adapter
+    config = model.config
+    shape, _, uniform, tried = choose_uniform(job, importance, costs, candidates)
+    multiple = budget.channel_multiple(adapter.dense_shape(config).intermediate_size)
+    best = None
+    for alpha in tqdm(PER_LAYER_ALPHAS, desc="choosing widths", unit="step"):
+        masks = importance.decide_per_layer(shape, alpha, multiple)
+        with masked(model, adapter, masks):
+            loss = mean_loss(model, job.calib.held_out)
+        widths = [len(b.channels) for b in masks.blocks]
+        tried.append({"alpha": alpha, "widths": widths, "held_out_loss": loss})
+        if best is None or loss < best[0]:
+            best = (loss, alpha, masks)
+    loss, alpha, masks = best
+    chosen = {**per_layer_retention(adapter, config, masks, costs), "held_out_loss": loss, "alpha": alpha,
+              "uniform_held_out_loss": uniform["held_out_loss"]}
+    job.log(f"per-layer widths: {shape.num_heads} heads / {shape.num_kv_heads} KV heads every block, MLP channels "
+            f"{min(len(b.channels) for b in masks.blocks)}-{max(len(b.channels) for b in masks.blocks)} "
+            f"(uniform {shape.intermediate_size}, moved {alpha:.0%} of the way to the global ranking); held-out "
+            f"calibration loss {loss:.4f} (uniform {uniform['held_out_loss']:.4f})")
+    return mean_shape(masks), masks, chosen, tried
 
 
 def refit(job: Job, stats, masks, detail: dict):

@@ -241,6 +241,29 @@ def test_cli_per_layer_end_to_end(tiny_dirs, text_file, tmp_path):
 
 
 @pytest.mark.slow
+def test_cli_one_shot_per_layer_widths_keep_attention_uniform_and_write_decilm(tiny_dirs, text_file, tmp_path):
+    """`--method structured --set layout=per-layer`: the one-shot importance's MLP widths per block (the
+    uniform shape's channels in total, its attention in every block), masked == pruned, a DeciLM package."""
+    out = tmp_path / "pkg"
+    r = _cli([tiny_dirs["llama"], "--target", "cpu", "--method", "structured", "--set", "layout=per-layer",
+              "--retain", "0.6", "--calib", text_file, "--eval", text_file, "--set", "data.seq_len=64",
+              "--set", "data.calib_windows=4", "--set", "data.eval_windows=1", "--no-heal", "-o", out])
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    meth, shapes = m["method"], m["method"]["layer_shapes"]
+    assert meth["layout"] == "per-layer" and meth["format"] == "decilm" and meth["name"] == "activation"
+    assert len({(s["num_heads"], s["num_kv_heads"]) for s in shapes}) == 1
+    alphas = [c for c in meth["candidates"] if "alpha" in c]
+    assert [c["alpha"] for c in alphas] == [0.25, 0.5, 1.0]
+    assert meth["per_layer_alpha"] == min(alphas, key=lambda c: c["held_out_loss"])["alpha"]
+    uniform = [c for c in meth["candidates"] if "shape" in c]
+    best = min(uniform, key=lambda c: c["held_out_loss"])["shape"]
+    assert sum(s["intermediate_size"] for s in shapes) == len(shapes) * best["intermediate_size"]
+    assert m["checks"]["masked_vs_pruned_max_abs_logit_diff"] < 1e-3
+    assert "per-layer MLP widths" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
 def test_cli_per_layer_int8_package_has_kernel_widths_and_reads_back_as_the_job_evaluated(tiny_dirs, text_file,
                                                                                           tmp_path):
     """`--layout per-layer --quant auto` on the CPU target: INT8 W8A8 in compressed-tensors' format, every
@@ -267,8 +290,8 @@ def test_cli_per_layer_int8_package_has_kernel_widths_and_reads_back_as_the_job_
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--set", "layout=per-layer"], "needs --method ddp"),
-    (["--set", "layout=per-layer", "--method", "activation"], "needs --method ddp"),
+    (["--set", "layout=per-layer"], "needs --method structured (the one-shot widths per block) or ddp"),
+    (["--set", "layout=per-layer", "--method", "depth"], "not --method depth"),
     (["--set", "layout=per-layer", "--method", "ddp", "--format", "onnx"], "vLLM packages only"),
     (["--set", "layout=diagonal", "--method", "ddp"], "unknown layout"),
 ])
@@ -303,3 +326,24 @@ def test_int8_per_layer_package_reads_back_as_the_quantized_model(case, tmp_path
     reloaded = AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32).eval()
     with torch.inference_mode():
         torch.testing.assert_close(reloaded(_x()).logits, want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.25, 0.5, 1.0])
+def test_per_layer_widths_keep_the_total_in_whole_tiles_and_alpha_one_is_the_global_ranking(alpha):
+    """per_layer_widths: the uniform total, multiples of the tile, at least one tile and at most the dense
+    width a block; alpha 0 is the uniform widths, 1 the global ranking of the channels (a block whose
+    channels all outscore another's keeps more)."""
+    from optimizer.methods.activation import per_layer_widths
+    g = torch.Generator().manual_seed(0)
+    scores = [torch.rand(96, generator=g) * scale for scale in (10.0, 1.0, 0.1, 1.0)]
+    widths = per_layer_widths(scores, 48, 96, 8, alpha)
+    assert sum(widths) == 4 * 48 and all(w % 8 == 0 and 8 <= w <= 96 for w in widths)
+    if alpha == 0.0:
+        assert widths == [48] * 4
+    if alpha == 1.0:
+        assert widths[0] > widths[1] > widths[2] and widths[2] == 8
+        tiles = [s.sort(descending=True).values.reshape(12, 8).sum(1) for s in scores]
+        kept = [float(t) for ts, w in zip(tiles, widths) for t in ts[1:w // 8]]
+        dropped = [float(t) for ts, w in zip(tiles, widths) for t in ts[w // 8:]]
+        assert min(kept) >= max(dropped)  # every tile kept beyond a block's first outscores every one left out
+    assert per_layer_widths(scores, 44, 96, 8, alpha) == [44] * 4  # not whole tiles: uniform

@@ -237,10 +237,12 @@ def test_a_candidate_is_not_measured_where_a_more_intact_more_precise_one_is_ove
 
 @pytest.mark.parametrize("args, has, lacks", [
     (["--target", "cpu"], ["| blocks 90%, INT8 W8A8 |", "| width 70%, 16-bit |"], ["FP8"]),
-    (["--target", "cpu", "--format", "onnx"], ["| width 90%, INT8 W8A8 |", "| no pruning, 16-bit |"], ["blocks", "W4A16"]),
+    (["--target", "cpu", "--format", "onnx"], ["| width 90%, INT8 W8A8 |", "| no pruning, 16-bit |"],
+     ["blocks", "W4A16", "per-layer"]),  # onnx: uniform shapes only
+    (["--target", "a100"], ["| per-layer 90%, INT8 W8A8 |", "| per-layer 70%, 16-bit |"], []),  # DeciLM in stock vLLM
     (["--target", "a100", "--format", "onnx"], ["| width 80%, 16-bit |"], ["INT8", "blocks"]),
     (["--target", "h100"], ["FP8 W8A8"], ["blocks"]),
-    (["--target", "a100", "--method", "depth"], ["| blocks 80%, INT8 W8A8 |"], ["width"]),
+    (["--target", "a100", "--method", "depth"], ["| blocks 80%, INT8 W8A8 |"], ["width", "per-layer"]),
     (["--target", "a100", "--quant", "int8"], ["| width 90%, INT8 W8A8 |"], ["16-bit", "W4A16"]),
     (["--target", "a100", "--set", "quant_head=true"], ["| no pruning, INT8 W8A8 |", "| width 90%, INT8 W8A8 + LM head |"],
      ["16-bit + LM head", "W4A16 + LM head"]),

@@ -10,6 +10,12 @@ heads and channels whose large activations are projected away rank low, at no ex
 Decide: for one uniform BlockShape, keep per block the KV groups whose best query heads
 score highest, the same number of best query heads inside each kept group (GQA stays
 regular, so the result is a plain config), and the highest-scoring channels.
+
+Decide per layer (`decide_per_layer`, the per-layer layout): the same attention in every block,
+and the uniform shape's MLP channels in total, moved between blocks: a channel's score relative to
+the energy of the residual stream entering its block (the next norm divides by that stream, so a
+channel that writes little into a loud stream matters little) ranks it against every block's.
+`alpha` goes from the uniform widths (0) to that global ranking's (1).
 """
 
 from __future__ import annotations
@@ -28,8 +34,12 @@ class ActivationImportance(Method):
         self.dense = adapter.dense_shape(config)
         self.head_dim = adapter.head_dim(config)
         self.head_scores, self.channel_scores, self._handles = [], [], []
+        self.residual = []  # per block, Σ_t ‖x_t‖² of the residual stream entering it
         self.tokens = 0
         for block in adapter.blocks(model):
+            energy = torch.zeros(())
+            self.residual.append(energy)
+            self._handles.append(block.register_forward_pre_hook(self._residual_hook(energy), with_kwargs=True))
             o_proj, down = adapter.attention(block).o, adapter.mlp(block).down
             w = o_proj.weight.detach().float().view(o_proj.out_features, self.dense.num_heads, self.head_dim)
             gram = torch.einsum("ohd,ohe->hde", w, w)  # [H, d, d]
@@ -53,6 +63,13 @@ class ActivationImportance(Method):
             acc.add_(a.pow(2).sum(0) * col_norm2)
         return hook
 
+    @staticmethod
+    def _residual_hook(acc):
+        def hook(_mod, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            acc.add_(x.detach().float().pow(2).sum())
+        return hook
+
     # --- observe -------------------------------------------------------------------------
     @torch.inference_mode()
     def add_batch(self, model, input_ids: torch.Tensor) -> None:
@@ -66,6 +83,16 @@ class ActivationImportance(Method):
     # --- decide --------------------------------------------------------------------------
     def decide(self, shape: BlockShape) -> Masks:
         return select_uniform(self.head_scores, self.channel_scores, self.dense, shape)
+
+    def decide_per_layer(self, shape: BlockShape, alpha: float, multiple: int) -> Masks:
+        """`shape`'s attention in every block and its MLP channels in total, each block's width a
+        multiple of `multiple` (see the module's docstring)."""
+        masks = self.decide(shape)
+        relative = [cs / max(float(r), 1e-12) for cs, r in zip(self.channel_scores, self.residual)]
+        widths = per_layer_widths(relative, shape.intermediate_size, self.dense.intermediate_size, multiple, alpha)
+        for block, cs, width in zip(masks.blocks, self.channel_scores, widths):
+            block.channels = cs.topk(width).indices.sort().values.tolist()
+        return masks
 
 
 def select_uniform(head_scores, channel_scores, dense: BlockShape, shape: BlockShape) -> Masks:
@@ -86,3 +113,27 @@ def select_uniform(head_scores, channel_scores, dense: BlockShape, shape: BlockS
         channels = cs.topk(shape.intermediate_size).indices.sort().values.tolist()
         blocks.append(BlockMask(heads, kv_keep.tolist(), channels))
     return Masks(blocks)
+
+
+def per_layer_widths(scores: list[torch.Tensor], width: int, dense_width: int, multiple: int,
+                     alpha: float) -> list[int]:
+    """MLP widths, one a block, summing to len(scores) × `width`, each a multiple of `multiple` between
+    `multiple` and `dense_width`: `alpha` of the way from `width` everywhere to the widths of one global
+    ranking of the channels by `scores` (comparable across blocks), taken `multiple` at a time."""
+    n, top = len(scores), dense_width // multiple
+    if width % multiple or width >= top * multiple:
+        return [width] * n  # no room to move whole tiles: the uniform widths
+    total, uniform = n * width // multiple, width // multiple
+    # the value of each block's k-th tile of channels, best first: descending within a block, so the
+    # global ranking is the top `total - n` tiles beyond each block's first
+    tiles = [s.sort(descending=True).values[: top * multiple].reshape(top, multiple).sum(1) for s in scores]
+    rest = torch.cat([t[1:] for t in tiles])
+    kept = torch.zeros(rest.numel(), dtype=torch.bool)
+    kept[rest.topk(total - n).indices] = True
+    ranked = [1 + int(k.sum()) for k in kept.split([top - 1] * n)]
+    # between the two (both sum to `total` within [1, top]): floors, the remainder to the largest fractions
+    ideal = [uniform + alpha * (r - uniform) for r in ranked]
+    units = [int(u + 1e-9) for u in ideal]
+    for i in sorted(range(n), key=lambda i: units[i] - ideal[i])[: total - sum(units)]:
+        units[i] += 1
+    return [u * multiple for u in units]
