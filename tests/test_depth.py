@@ -111,7 +111,7 @@ def test_optimize_depth_writes_a_healed_int8_package_with_fewer_blocks(tmp_path,
 
 
 @pytest.mark.parametrize("args, message", [
-    ({"layout": "per-layer"}, "needs --method ddp"),
+    ({"layout": "per-layer"}, "layout=per-layer needs --method structured"),
     ({"retain": 0.95}, "keeps all 6 blocks"),
     ({"retain_by": "latency"}, "drop retain_by"),
 ])

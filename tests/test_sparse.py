@@ -224,7 +224,7 @@ def test_package_carries_the_2_4_config_only_for_an_engine_with_the_kernel(tiny_
 @pytest.mark.parametrize("args, message", [
     (["--method", "wanda", "--set", "sparsity=3:2"], "N:M pattern"),
     (["--method", "sparsegpt", "--set", "sparsity=half"], "expected N:M"),
-    (["--method", "wanda", "--set", "layout=per-layer"], "layout=per-layer needs --method ddp"),
+    (["--method", "wanda", "--set", "layout=per-layer"], "layout=per-layer needs --method structured"),
     (["--method", "magnitude", "--format", "onnx"], "no 2:4 kernel"),
     (["--method", "sparsegpt", "--set", "sparsity=2:7"], "groups of 7"),
 ])

@@ -12,9 +12,11 @@ score highest, the same number of best query heads inside each kept group (GQA s
 regular, so the result is a plain config), and the highest-scoring channels.
 
 Decide per layer (`decide_per_layer`, the per-layer layout): the same attention in every block,
-and the uniform shape's MLP channels in total, moved between blocks: a channel's score relative to
-the energy of the residual stream entering its block (the next norm divides by that stream, so a
-channel that writes little into a loud stream matters little) ranks it against every block's.
+and the uniform shape's MLP channels in total, moved between blocks: a channel's contribution at each
+token relative to that token's residual stream entering its block (the next norm divides by the
+stream, token by token, so a channel that writes little into a loud stream matters little; per token,
+so that the few tokens whose stream is huge, the attention sinks, do not set every block's scale) ranks
+it against every block's.
 `alpha` goes from the uniform widths (0) to that global ranking's (1).
 """
 
@@ -34,12 +36,11 @@ class ActivationImportance(Method):
         self.dense = adapter.dense_shape(config)
         self.head_dim = adapter.head_dim(config)
         self.head_scores, self.channel_scores, self._handles = [], [], []
-        self.residual = []  # per block, Σ_t ‖x_t‖² of the residual stream entering it
+        self.relative_scores = []  # per block, Σ_t a_{t,j}² ‖W_down[:, j]‖² / ‖x_t‖², x_t the stream entering it
         self.tokens = 0
         for block in adapter.blocks(model):
-            energy = torch.zeros(())
-            self.residual.append(energy)
-            self._handles.append(block.register_forward_pre_hook(self._residual_hook(energy), with_kwargs=True))
+            stream = {}  # the block's input, per token: its channels' hook (later in the same forward) reads it
+            self._handles.append(block.register_forward_pre_hook(self._stream_hook(stream), with_kwargs=True))
             o_proj, down = adapter.attention(block).o, adapter.mlp(block).down
             w = o_proj.weight.detach().float().view(o_proj.out_features, self.dense.num_heads, self.head_dim)
             gram = torch.einsum("ohd,ohe->hde", w, w)  # [H, d, d]
@@ -48,8 +49,10 @@ class ActivationImportance(Method):
             cs = torch.zeros(self.dense.intermediate_size)
             self.head_scores.append(hs)
             self.channel_scores.append(cs)
+            rel = torch.zeros(self.dense.intermediate_size)
+            self.relative_scores.append(rel)
             self._handles.append(o_proj.register_forward_pre_hook(self._head_hook(gram, hs)))
-            self._handles.append(down.register_forward_pre_hook(self._channel_hook(col_norm2, cs)))
+            self._handles.append(down.register_forward_pre_hook(self._channel_hook(col_norm2, cs, rel, stream)))
 
     def _head_hook(self, gram, acc):
         def hook(_mod, args):
@@ -57,17 +60,19 @@ class ActivationImportance(Method):
             acc.add_(torch.einsum("nhd,hde,nhe->h", x, gram, x))
         return hook
 
-    def _channel_hook(self, col_norm2, acc):
+    def _channel_hook(self, col_norm2, acc, relative, stream):
         def hook(_mod, args):
-            a = args[0].detach().float().reshape(-1, acc.numel())
-            acc.add_(a.pow(2).sum(0) * col_norm2)
+            a2 = args[0].detach().float().reshape(-1, acc.numel()).pow(2)
+            acc.add_(a2.sum(0) * col_norm2)
+            if "energy" in stream:  # the stream entering this block at the same tokens
+                relative.add_((a2 / stream.pop("energy")[:, None]).sum(0) * col_norm2)
         return hook
 
     @staticmethod
-    def _residual_hook(acc):
+    def _stream_hook(stream):
         def hook(_mod, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
-            acc.add_(x.detach().float().pow(2).sum())
+            stream["energy"] = x.detach().float().pow(2).sum(-1).reshape(-1).clamp_min(1e-12)
         return hook
 
     # --- observe -------------------------------------------------------------------------
@@ -88,8 +93,7 @@ class ActivationImportance(Method):
         """`shape`'s attention in every block and its MLP channels in total, each block's width a
         multiple of `multiple` (see the module's docstring)."""
         masks = self.decide(shape)
-        relative = [cs / max(float(r), 1e-12) for cs, r in zip(self.channel_scores, self.residual)]
-        widths = per_layer_widths(relative, shape.intermediate_size, self.dense.intermediate_size, multiple, alpha)
+        widths = per_layer_widths(self.relative_scores, shape.intermediate_size, self.dense.intermediate_size, multiple, alpha)
         for block, cs, width in zip(masks.blocks, self.channel_scores, widths):
             block.channels = cs.topk(width).indices.sort().values.tolist()
         return masks
