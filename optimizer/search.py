@@ -236,7 +236,7 @@ def held_out_texts(job) -> dict[str, torch.Tensor]:
     texts = {"text": job.calib.search}
     if getattr(job.tok, "chat_template", None):
         from optimizer import data
-        answers = _dense_answers(job.model, job.tok)
+        answers = dense_answers(job.model, job.tok)
         try:
             texts["chat"] = data.token_windows(job.tok, answers, CHAT_SEQ)
         except UserError:  # answers shorter than one window: the text alone
@@ -245,10 +245,11 @@ def held_out_texts(job) -> dict[str, torch.Tensor]:
 
 
 @torch.inference_mode()
-def _dense_answers(model, tok, max_new_tokens: int = 96) -> str:
+def dense_answers(model, tok, prompts=SEARCH_PROMPTS, max_new_tokens: int = 96) -> str:
+    """The model's greedy answers to `prompts`, as chat turns in its template (one text)."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     rendered = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-                for p in SEARCH_PROMPTS]
+                for p in prompts]
     ids = [tok(r, add_special_tokens=False).input_ids for r in rendered]
     width = max(map(len, ids))
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
@@ -257,7 +258,7 @@ def _dense_answers(model, tok, max_new_tokens: int = 96) -> str:
                          pad_token_id=pad)
     turns = [tok.apply_chat_template([{"role": "user", "content": p},
                                       {"role": "assistant", "content": tok.decode(row, skip_special_tokens=True).strip()}],
-                                     tokenize=False) for p, row in zip(SEARCH_PROMPTS, out[:, width:])]
+                                     tokenize=False) for p, row in zip(prompts, out[:, width:])]
     return "\n".join(turns)
 
 

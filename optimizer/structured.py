@@ -70,12 +70,18 @@ class Structured:
         costs = (job.adapter.unit_params(job.model.config) if job.cfg.retain_by == "params"
                  else planner.unit_latency_costs(job.target, job.adapter, job.model.config))
 
+        chosen_on = {}
+
         def build(retain: float, per_layer: bool = False):
             candidates = budget.uniform_candidates(job.adapter, job.model.config, retain, costs=costs)
             if not candidates:
                 raise UserError(f"retain {retain} leaves too little of each block for a uniform layout")
-            choose = choose_per_layer if per_layer else choose_uniform
-            _, masks, _, _ = choose(job, importance, costs, candidates)
+            if per_layer:
+                if "texts" not in chosen_on:  # what the per-layer widths are chosen on, once for every retain
+                    chosen_on["texts"] = per_layer_texts(job)
+                _, masks, _, _ = choose_per_layer(job, importance, costs, candidates, chosen_on["texts"])
+            else:
+                _, masks, _, _ = choose_uniform(job, importance, costs, candidates)
             masks = refit(job, grams, masks, {})
             return per_layer_model(job.model, job.adapter, masks)[0] if per_layer else prune(job.model, job.adapter, masks)
         return build
@@ -279,36 +285,63 @@ def choose_uniform(job: Job, method, costs, candidates=None):
 
 
 # How far the per-layer widths move from the uniform ones toward the global ranking's
-# (ActivationImportance.decide_per_layer); the one that loses least on the held-out calibration window is kept.
+# (ActivationImportance.decide_per_layer); the one whose worst excess loss over the texts of `per_layer_texts`
+# is lowest is kept.
 PER_LAYER_ALPHAS = (0.25, 0.5, 1.0)
+PER_LAYER_PROMPTS = 8  # the heal's instructions whose dense answers the widths are also chosen on
 
 
-def choose_per_layer(job: Job, importance, costs, candidates=None):
+def per_layer_texts(job: Job) -> dict:
+    """What the per-layer widths are chosen on, as {name: (windows, the dense model's loss)}: the held-out
+    calibration window, and for a model with a chat template the dense model's own answers to the heal's
+    first instructions (moving channels between blocks by their ranking on prose can break chat: SmolLM2
+    at 90%, bench/results/optimize-runs/2026-12-07-10f69ea-per-layer-per-token-smollm2). The search's
+    held-out prompts stay unread."""
+    from optimizer import data
+    from optimizer.heal_data import INSTRUCTIONS
+    from optimizer.search import CHAT_SEQ, dense_answers
+    texts = {"text": job.calib.held_out}
+    if getattr(job.tok, "chat_template", None):
+        try:
+            texts["chat"] = data.token_windows(job.tok, dense_answers(job.model, job.tok, INSTRUCTIONS[:PER_LAYER_PROMPTS]),
+                                               CHAT_SEQ)
+        except UserError:  # answers shorter than one window: the text alone
+            pass
+    return {k: (w, mean_loss(job.model, w)) for k, w in texts.items()}
+
+
+def choose_per_layer(job: Job, importance, costs, candidates=None, texts: dict | None = None):
     """The per-layer layout of the one-shot method: the uniform shape choose_uniform picks (its attention
     in every block, so the package is DeciLM where the family allows it), its MLP channels moved between
-    blocks by the importance's global ranking, as far (PER_LAYER_ALPHAS) as loses least on the held-out
-    calibration window. Moving channels between blocks keeps the parameters and the roofline of the
-    uniform shape. Returns (mean shape, masks, chosen, tried)."""
+    blocks by the importance's global ranking, as far (PER_LAYER_ALPHAS) as loses least over `texts`
+    (per_layer_texts: the worst of their excess losses over the dense model's). Moving channels between
+    blocks keeps the parameters and the roofline of the uniform shape. Returns (mean shape, masks, chosen,
+    tried)."""
     model, adapter = job.model, job.adapter
     config = model.config
+    texts = texts or per_layer_texts(job)
     shape, _, uniform, tried = choose_uniform(job, importance, costs, candidates)
+
+    def excess(masks) -> dict:
+        with masked(model, adapter, masks):
+            return {k: round(mean_loss(model, w) - dense, 5) for k, (w, dense) in texts.items()}
     multiple = budget.channel_multiple(adapter.dense_shape(config).intermediate_size)
-    best = None
+    best, before = None, excess(importance.decide(shape))
     for alpha in tqdm(PER_LAYER_ALPHAS, desc="choosing widths", unit="step"):
         masks = importance.decide_per_layer(shape, alpha, multiple)
-        with masked(model, adapter, masks):
-            loss = mean_loss(model, job.calib.held_out)
-        widths = [len(b.channels) for b in masks.blocks]
-        tried.append({"alpha": alpha, "widths": widths, "held_out_loss": loss})
-        if best is None or loss < best[0]:
-            best = (loss, alpha, masks)
-    loss, alpha, masks = best
-    chosen = {**per_layer_retention(adapter, config, masks, costs), "held_out_loss": loss, "alpha": alpha,
-              "uniform_held_out_loss": uniform["held_out_loss"]}
+        losses = excess(masks)
+        tried.append({"alpha": alpha, "widths": [len(b.channels) for b in masks.blocks],
+                      "held_out_loss": texts["text"][1] + losses["text"], "excess_loss": losses})
+        if best is None or max(losses.values()) < max(best[1].values()):
+            best = (alpha, losses, masks)
+    alpha, losses, masks = best
+    chosen = {**per_layer_retention(adapter, config, masks, costs), "held_out_loss": texts["text"][1] + losses["text"],
+              "alpha": alpha, "excess_loss": losses, "uniform_excess_loss": before}
+    words = ", ".join(f"{k} +{v:.3f}" for k, v in losses.items())
     job.log(f"per-layer widths: {shape.num_heads} heads / {shape.num_kv_heads} KV heads every block, MLP channels "
             f"{min(len(b.channels) for b in masks.blocks)}-{max(len(b.channels) for b in masks.blocks)} "
-            f"(uniform {shape.intermediate_size}, moved {alpha:.0%} of the way to the global ranking); held-out "
-            f"calibration loss {loss:.4f} (uniform {uniform['held_out_loss']:.4f})")
+            f"(uniform {shape.intermediate_size}, moved {alpha:.0%} of the way to the global ranking); excess loss "
+            f"over the dense model {words} (uniform: {', '.join(f'{k} +{v:.3f}' for k, v in before.items())})")
     return mean_shape(masks), masks, chosen, tried
 
 
