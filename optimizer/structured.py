@@ -322,11 +322,14 @@ def choose_per_layer(job: Job, importance, costs, candidates=None, texts: dict |
     texts = texts or per_layer_texts(job)
     shape, _, uniform, tried = choose_uniform(job, importance, costs, candidates)
 
-    def excess(masks) -> dict:
+    def excess(masks, keys=tuple(texts)) -> dict:
         with masked(model, adapter, masks):
-            return {k: round(mean_loss(model, w) - dense, 5) for k, (w, dense) in texts.items()}
+            return {k: round(mean_loss(model, texts[k][0]) - texts[k][1], 5) for k in keys}
     multiple = budget.channel_multiple(adapter.dense_shape(config).intermediate_size)
-    best, before = None, excess(importance.decide(shape))
+    # the uniform shape's: its loss on the held-out window is choose_uniform's already
+    before = {"text": round(uniform["held_out_loss"] - texts["text"][1], 5),
+              **excess(importance.decide(shape), [k for k in texts if k != "text"])}
+    best = None
     for alpha in tqdm(PER_LAYER_ALPHAS, desc="choosing widths", unit="step"):
         masks = importance.decide_per_layer(shape, alpha, multiple)
         losses = excess(masks)
